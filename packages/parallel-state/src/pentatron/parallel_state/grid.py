@@ -1,0 +1,174 @@
+"""`ProcessGrid`: this rank's process groups for every family of the 5-D grid.
+
+`initialize_model_parallel(config)` validates the layout against the world size, computes
+every family's rank lists (no collective yet), then creates the groups. It sets the grid as
+the default used by the Megatron-named accessors in `accessors.py`; code that communicates
+should still be handed the grid or its groups explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from . import comm
+from .config import ParallelConfig, ResolvedLayout
+from .device import DeviceChoice, bind_local_device, choose_backend
+from .layout import FAMILIES, GridLayout, canonical
+
+
+class ProcessGrid:
+    """The groups this rank belongs to, by family name (see `layout.FAMILIES` and aliases)."""
+
+    def __init__(self, config: ParallelConfig, layout: ResolvedLayout, grid: GridLayout,
+                 rank: int, groups: dict[str, Any], device_choice: DeviceChoice) -> None:
+        self.config = config
+        self.layout = layout
+        self.grid_layout = grid
+        self.global_rank = rank
+        self.device_choice = device_choice
+        self._groups = groups
+        self.virtual_pipeline_rank: int | None = 0 if layout.vpp else None
+
+    # --- per-family queries ------------------------------------------------------------
+    def group(self, name: str) -> Any:
+        """The process group of family `name` holding this rank (None: rank not a member)."""
+        return self._groups.get(canonical(name))
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's group of `name` ([] if this rank is not a member)."""
+        return self.grid_layout.ranks(name, self.global_rank) or []
+
+    def rank(self, name: str) -> int:
+        """This rank's index inside its group of `name`."""
+        ranks = self.ranks(name)
+        if not ranks:
+            raise ValueError(f"rank {self.global_rank} is in no {canonical(name)!r} group")
+        return ranks.index(self.global_rank)
+
+    def size(self, name: str) -> int:
+        ranks = self.ranks(name)
+        if not ranks:
+            raise ValueError(f"rank {self.global_rank} is in no {canonical(name)!r} group")
+        return len(ranks)
+
+    def all_ranks(self, name: str) -> list[list[int]]:
+        """Every group of family `name`, as global rank lists."""
+        return self.grid_layout.families[canonical(name)]
+
+    # --- pipeline helpers --------------------------------------------------------------
+    @property
+    def pp_rank(self) -> int:
+        return self.rank("pp")
+
+    def is_first_stage(self, ignore_virtual: bool = True) -> bool:
+        if not ignore_virtual and self.virtual_pipeline_rank not in (None, 0):
+            return False
+        return self.pp_rank == 0
+
+    def is_last_stage(self, ignore_virtual: bool = True) -> bool:
+        if not ignore_virtual and self.layout.vpp and self.virtual_pipeline_rank != self.layout.vpp - 1:
+            return False
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def next_pipeline_rank(self) -> int:
+        """Global rank of the next stage (wrapping around, as Megatron's ring)."""
+        ranks = self.ranks("pp")
+        return ranks[(self.pp_rank + 1) % len(ranks)]
+
+    @property
+    def prev_pipeline_rank(self) -> int:
+        ranks = self.ranks("pp")
+        return ranks[(self.pp_rank - 1) % len(ranks)]
+
+    def in_embedding_group(self) -> bool:
+        return bool(self.ranks("embedding"))
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"ProcessGrid(rank={self.global_rank}, tp={lay.tp}, cp={lay.cp}, dp={lay.dp}, "
+                f"pp={lay.pp}, vpp={lay.vpp}, ep={lay.ep}, etp={lay.etp}, edp={lay.edp}, "
+                f"order={lay.order!r}, backend={self.device_choice.backend!r})")
+
+
+_DEFAULT: ProcessGrid | None = None
+
+
+def _init_default_process_group(choice: DeviceChoice, timeout: timedelta) -> None:
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"torch.distributed is not initialised and {', '.join(missing)} are not set; fix: "
+            "launch with torchrun, or call torch.distributed.init_process_group first"
+        )
+    dist.init_process_group(backend=choice.backend, timeout=timeout)
+
+
+def initialize_model_parallel(config: ParallelConfig | None = None, *, backend: str | None = None,
+                              set_default: bool = True) -> ProcessGrid:
+    """Create every group of `config` on this rank and return the grid.
+
+    All validation happens before the first collective: a layout that cannot work raises
+    `ParallelConfigError` on every rank alike. If torch.distributed is not yet initialised it
+    is, from the torchrun environment, with the chosen backend (nccl on CUDA, else gloo).
+    """
+    config = config or ParallelConfig()
+    choice = choose_backend(backend or (dist.get_backend() if dist.is_initialized() else None))
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = config.resolve(world)
+    grid_layout = GridLayout(layout)
+    families = grid_layout.families  # validates expert/dense pipeline agreement, no comm
+    if not dist.is_initialized():
+        bind_local_device(choice)
+        _init_default_process_group(choice, config.timeout)
+    elif choice.device_type == "cuda":
+        bind_local_device(choice)
+    rank = dist.get_rank()
+    groups: dict[str, Any] = {}
+    for name in FAMILIES:
+        # Every rank must call new_group for every group, in the same order.
+        for ranks in families[name]:
+            group = dist.new_group(ranks=ranks, timeout=config.timeout, backend=choice.backend)
+            if rank in ranks:
+                groups[name] = group
+                comm.register_group_name(group, name)
+    grid = ProcessGrid(config, layout, grid_layout, rank, groups, choice)
+    if set_default:
+        global _DEFAULT
+        _DEFAULT = grid
+    return grid
+
+
+def destroy_model_parallel(grid: ProcessGrid | None = None) -> None:
+    """Destroy the groups of `grid` (default: the default grid) and unset the default."""
+    global _DEFAULT
+    grid = grid or _DEFAULT
+    if grid is None:
+        return
+    seen = set()
+    for group in grid._groups.values():
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        comm.forget_group(group)
+        dist.destroy_process_group(group)
+    grid._groups.clear()
+    if grid is _DEFAULT:
+        _DEFAULT = None
+
+
+def get_default_grid() -> ProcessGrid:
+    if _DEFAULT is None:
+        raise RuntimeError("no default grid: call initialize_model_parallel(config) first")
+    return _DEFAULT
+
+
+def model_parallel_is_initialized() -> bool:
+    return _DEFAULT is not None

@@ -1,0 +1,32 @@
+"""Multi-process test harness: run a function on N gloo ranks in persistent workers.
+
+`run_distributed(world_size, fn, *args)` uses a process-wide `PoolSet`; under pytest use the
+`distributed` fixture (plugin registered through the `pytest11` entry point).
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any, Callable
+
+from .pool import PoolSet, RankError, RankPool, RankTimeoutError
+
+_DEFAULT_POOLS: PoolSet | None = None
+
+
+def default_pools() -> PoolSet:
+    global _DEFAULT_POOLS
+    if _DEFAULT_POOLS is None:
+        _DEFAULT_POOLS = PoolSet()
+        atexit.register(_DEFAULT_POOLS.close)
+    return _DEFAULT_POOLS
+
+
+def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,
+                    timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return each rank's result."""
+    return default_pools().run(world_size, fn, *args, timeout=timeout, **kwargs)
+
+
+__all__ = ["PoolSet", "RankError", "RankPool", "RankTimeoutError", "default_pools",
+           "run_distributed"]

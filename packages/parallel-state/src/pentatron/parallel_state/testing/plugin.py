@@ -1,0 +1,32 @@
+"""pytest plugin (entry point `pentatron`): the session-scoped `distributed` fixture.
+
+    def test_sum(distributed):
+        assert distributed.run(4, my_module_level_fn, 3) == [...]
+
+Options: --rank-timeout SECONDS (per call, default 180), --collective-timeout SECONDS
+(gloo timeout inside the ranks, default 90).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from .pool import PoolSet
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pentatron")
+    group.addoption("--rank-timeout", type=float, default=180.0,
+                    help="seconds a multi-rank call may take before its ranks are killed")
+    group.addoption("--collective-timeout", type=float, default=90.0,
+                    help="gloo collective timeout inside the worker ranks")
+
+
+@pytest.fixture(scope="session")
+def distributed(request: pytest.FixtureRequest) -> Iterator[PoolSet]:
+    pools = PoolSet(timeout=request.config.getoption("--rank-timeout"),
+                    collective_timeout=request.config.getoption("--collective-timeout"))
+    yield pools
+    pools.close()

@@ -1,0 +1,268 @@
+"""Persistent pools of gloo worker processes that run a function on every rank.
+
+A pool of N processes is spawned once, joins one gloo process group of size N, and then
+serves calls: `pool.run(fn, *args)` runs `fn(*args)` on every rank and returns the list of
+results, rank-ordered. Functions travel by (source file, qualified name), so test functions
+of any test module work under pytest's importlib mode; arguments and results are pickled
+between these trusted child processes.
+
+Failures: if a rank raises, the others get a grace period to finish, then the pool is torn
+down (its collectives may be out of step) and `RankError` carries the failing rank's
+traceback. A rank that exceeds the call timeout or dies is killed with the whole pool, and
+`RankTimeoutError` names the ranks that did not answer. The next call spawns a fresh pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+_GRACE_S = 5.0  # how long healthy ranks may keep running after another rank failed
+
+
+class RankError(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class RankTimeoutError(AssertionError):
+    """Ranks did not answer within the timeout (hung or died); the pool was killed."""
+
+
+def _function_ref(fn: Callable[..., Any]) -> tuple[str, str]:
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"{qualname}: functions run on ranks must be defined at module level "
+            "(they are looked up by file and name in the worker processes)"
+        )
+    return os.path.abspath(inspect.getfile(fn)), qualname
+
+
+_MODULES: dict[str, Any] = {}
+
+
+def _resolve(path: str, qualname: str) -> Callable[..., Any]:
+    module = _MODULES.get(path)
+    if module is None:
+        name = "pentatron_rank_fn_" + str(abs(hash(path)))
+        existing = [m for m in list(sys.modules.values())
+                    if getattr(m, "__file__", None) and os.path.abspath(m.__file__) == path]
+        if existing:
+            module = existing[0]
+        else:
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec and spec.loader, path
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        _MODULES[path] = module
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _after_call() -> None:
+    """Leave no state behind for the next test on this rank."""
+    from .. import comm
+    from ..grid import destroy_model_parallel
+
+    destroy_model_parallel()
+    comm._ACTIVE.clear()
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any,
+            results: Any, sys_path: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), PENTATRON_BACKEND="gloo")
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share 2 cores: avoid oversubscription
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    results.put((rank, -1, True, os.getpid()))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, path, qualname, args, kwargs = task
+        try:
+            value = _resolve(path, qualname)(*args, **kwargs)
+            ok = True
+        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+            value, ok = traceback.format_exc(), False
+        try:
+            _after_call()
+        except BaseException:  # noqa: BLE001
+            if ok:
+                value, ok = "cleanup after the call failed:\n" + traceback.format_exc(), False
+        try:
+            results.put((rank, call_id, ok, value))
+        except Exception:  # noqa: BLE001 - e.g. an unpicklable result
+            results.put((rank, call_id, False, "result could not be sent back:\n"
+                         + traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` persistent gloo ranks (spawned on first use)."""
+
+    def __init__(self, world_size: int, timeout: float = 120.0, collective_timeout: float = 60.0):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.collective_timeout = collective_timeout
+        self._procs: list[Any] = []
+        self._call_id = 0
+        self.spawn_count = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        self.close()
+        ctx = mp.get_context("spawn")
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
+                                    wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.collective_timeout))
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        with _environ(env):
+            self._procs = [
+                ctx.Process(target=_worker, daemon=True, name=f"pentatron-rank{r}",
+                            args=(r, self.world_size, self._store.port, self.collective_timeout,
+                                  self._tasks[r], self._results, list(sys.path)))
+                for r in range(self.world_size)
+            ]
+            for p in self._procs:
+                p.start()
+        self.spawn_count += 1
+        self._collect(-1, self.timeout, what="start-up")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
+        path, qualname = _function_ref(fn)
+        if not self.alive:
+            self.start()
+        self._call_id += 1
+        for q in self._tasks:
+            q.put((self._call_id, path, qualname, args, kwargs))
+        return self._collect(self._call_id, timeout or self.timeout, what=qualname)
+
+    def _collect(self, call_id: int, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        done: dict[int, tuple[bool, Any]] = {}
+        while len(done) < self.world_size:
+            failed = [r for r, (ok, _) in done.items() if not ok]
+            if failed:
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            try:
+                rank, cid, ok, value = self._results.get(timeout=0.05)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+                if dead or time.monotonic() > deadline:
+                    self._fail_hung(what, timeout, done, dead)
+                continue
+            if cid == call_id:
+                done[rank] = (ok, value)
+        failures = {r: v for r, (ok, v) in done.items() if not ok}
+        if failures:
+            # All ranks answered, so collectives are in step: the pool stays usable.
+            raise RankError(_format_failures(what, failures, self.world_size))
+        return [done[r][1] for r in range(self.world_size)]
+
+    def _fail_hung(self, what: str, timeout: float, done: dict[int, tuple[bool, Any]],
+                   dead: list[int]) -> None:
+        missing = [r for r in range(self.world_size) if r not in done]
+        codes = {r: self._procs[r].exitcode for r in dead}
+        self.close(kill=True)
+        failures = {r: v for r, (ok, v) in done.items() if not ok}
+        lines = [f"{what} on {self.world_size} ranks: rank(s) {missing} did not answer "
+                 f"({'died with exit codes ' + str(codes) if dead else f'over {timeout:.0f} s'});"
+                 " the pool was killed and will be respawned"]
+        if failures:
+            lines.append("first, these ranks failed (the likely cause):")
+            lines.append(_format_failures(what, failures, self.world_size))
+        raise RankTimeoutError("\n".join(lines))
+
+    def close(self, kill: bool = False) -> None:
+        if not self._procs:
+            return
+        if not kill:
+            for q in self._tasks:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self._procs = []
+
+
+def _format_failures(what: str, failures: dict[int, str], world_size: int) -> str:
+    parts = [f"{what} failed on rank(s) {sorted(failures)} of {world_size}:"]
+    for r in sorted(failures):
+        parts.append(f"--- rank {r} ---\n{failures[r].rstrip()}")
+    return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Any:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class PoolSet:
+    """One `RankPool` per world size, created on demand and reused."""
+
+    def __init__(self, timeout: float = 120.0, collective_timeout: float = 60.0) -> None:
+        self.timeout, self.collective_timeout = timeout, collective_timeout
+        self._pools: dict[int, RankPool] = {}
+
+    def pool(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size, self.timeout, self.collective_timeout)
+        return self._pools[world_size]
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any,
+            timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        return self.pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.close()
+        self._pools.clear()
