@@ -145,10 +145,10 @@ def _named_errors(op: str, group: Any) -> Iterator[None]:
         ) from exc
 
 
-def _call(op: str, group: Any, async_op: bool, fn: Any, *args: Any, **kw: Any) -> Any:
-    with _named_errors(op, group):
+def _call(name: str, group: Any, async_op: bool, fn: Any, *args: Any, **kw: Any) -> Any:
+    with _named_errors(name, group):
         work = fn(*args, group=group, async_op=async_op, **kw)
-    return _NamedWork(work, op, group) if async_op else None
+    return _NamedWork(work, name, group) if async_op else None
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,

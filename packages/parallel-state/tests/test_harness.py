@@ -1,0 +1,84 @@
+"""The harness itself: reuse, failure reporting, and killing hung ranks."""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from pentatron.parallel_state.testing import RankError, RankPool, RankTimeoutError
+
+
+def _whoami(offset):
+    return dist.get_rank() + offset, dist.get_world_size(), os.getpid()
+
+
+def _fail_on_rank(bad):
+    if dist.get_rank() == bad:
+        raise ValueError(f"boom on {bad}")
+    return "ok"
+
+
+def _hang_on_rank(bad):
+    if dist.get_rank() == bad:
+        import threading
+
+        threading.Event().wait()  # never set: a rank stuck forever
+    return "ok"
+
+
+def _exit_on_rank(bad):
+    if dist.get_rank() == bad:
+        os._exit(3)
+    return "ok"
+
+
+def test_results_in_rank_order_and_pool_reused(distributed):
+    first = distributed.run(4, _whoami, 10)
+    second = distributed.run(4, _whoami, 0)
+    assert [r[:2] for r in first] == [(10 + r, 4) for r in range(4)]
+    assert [r[2] for r in first] == [r[2] for r in second]  # same processes
+    assert len({r[2] for r in first}) == 4 and os.getpid() not in {r[2] for r in first}
+
+
+def test_world_size_one_and_eight(distributed):
+    assert [r[:2] for r in distributed.run(1, _whoami, 0)] == [(0, 1)]
+    assert [r[:2] for r in distributed.run(8, _whoami, 0)] == [(r, 8) for r in range(8)]
+
+
+def test_failure_reports_rank_and_traceback(distributed):
+    pids = distributed.pool(4).pids
+    with pytest.raises(RankError) as info:
+        distributed.run(4, _fail_on_rank, 2)
+    text = str(info.value)
+    assert "rank(s) [2]" in text and "ValueError: boom on 2" in text and "_fail_on_rank" in text
+    assert distributed.pool(4).pids == pids  # every rank answered: the pool is kept
+
+
+def test_hung_rank_is_killed_and_pool_respawned():
+    pool = RankPool(2, timeout=30)
+    try:
+        pids = [p[2] for p in pool.run(_whoami, 0)]
+        with pytest.raises(RankTimeoutError, match=r"rank\(s\) \[1\] did not answer"):
+            pool.run(_hang_on_rank, 1, timeout=3)
+        assert not pool.alive
+        again = pool.run(_whoami, 0)
+        assert [p[2] for p in again] != pids and pool.spawn_count == 2
+    finally:
+        pool.close()
+
+
+def test_dead_rank_is_reported():
+    pool = RankPool(2, timeout=60)
+    try:
+        with pytest.raises(RankTimeoutError, match="died with exit codes"):
+            pool.run(_exit_on_rank, 0)
+    finally:
+        pool.close()
+
+
+def test_local_function_rejected(distributed):
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="module level"):
+        distributed.run(2, local)
