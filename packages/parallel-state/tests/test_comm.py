@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pentatron.parallel_state import CollectiveError, ParallelConfig, comm, initialize_model_parallel
+from pentatron.parallel_state import (
+    CollectiveError,
+    ParallelConfig,
+    comm,
+    initialize_model_parallel,
+)
 
 
 def _traced_ops():
@@ -33,15 +38,18 @@ def _traced_ops():
         out["broadcast"] = b.float().tolist()
         peer = grid.ranks("tp")[1 - grid.rank("tp")]
         recv = torch.empty(3)
-        ops = [comm.P2POp("send", torch.full((3,), float(rank)), peer),
-               comm.P2POp("recv", recv, peer)]
+        ops = [
+            comm.P2POp("send", torch.full((3,), float(rank)), peer),
+            comm.P2POp("recv", recv, peer),
+        ]
         for w in comm.batch_isend_irecv(ops):
             w.wait()
         out["p2p"] = recv.tolist()
     out["totals"] = ledger.totals()
     out["by_op"] = ledger.by_op()
-    out["records"] = [(r.op, r.group, str(r.dtype), r.elements, r.bytes, r.wire_bytes)
-                      for r in ledger.records]
+    out["records"] = [
+        (r.op, r.group, str(r.dtype), r.elements, r.bytes, r.wire_bytes) for r in ledger.records
+    ]
     # outside trace(): nothing recorded
     comm.all_reduce(torch.ones(1), group=tp)
     out["after"] = len(ledger.records)
@@ -58,10 +66,11 @@ def test_trace_ledger_and_results(distributed):
         assert out["all_gather"] == [float(dp_group[0])] * 3 + [float(dp_group[1])] * 3
         me = tp_group.index(rank)
         summed = [2 * v + sum(tp_group) for v in range(4)]
-        assert out["reduce_scatter"] == summed[2 * me: 2 * me + 2]
+        assert out["reduce_scatter"] == summed[2 * me : 2 * me + 2]
         dme = dp_group.index(rank)
-        assert out["all_to_all"] == [float(2 * dme + 10 * dp_group[0] + j) for j in range(2)] + \
-            [float(2 * dme + 10 * dp_group[1] + j) for j in range(2)]
+        assert out["all_to_all"] == [float(2 * dme + 10 * dp_group[0] + j) for j in range(2)] + [
+            float(2 * dme + 10 * dp_group[1] + j) for j in range(2)
+        ]
         assert out["broadcast"] == [float(tp_group[0])] * 5
         assert out["p2p"] == [float(tp_peer)] * 3
         recs = out["records"]

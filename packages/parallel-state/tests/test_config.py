@@ -69,8 +69,11 @@ def _bad_init(kwargs):
 
 @pytest.mark.parametrize(
     ("kwargs", "word"),
-    [(dict(tp=3), "world_size=8"), (dict(tp=2, ep=3), "etp*ep*pp"),
-     (dict(tp=2, pp=2, ep=4, etp=1, order="tp-pp-ep-dp"), "pipeline groups")],
+    [
+        (dict(tp=3), "world_size=8"),
+        (dict(tp=2, ep=3), "etp*ep*pp"),
+        (dict(tp=2, pp=2, ep=4, etp=1, order="tp-pp-ep-dp"), "pipeline groups"),
+    ],
 )
 def test_bad_layout_fails_on_every_rank_before_any_group(distributed, kwargs, word):
     results = distributed.run(8, _bad_init, kwargs)

@@ -30,8 +30,12 @@ def _coords(rank, order, sizes):
 def layouts(draw):
     """A layout with world size <= 64, its order and sizes."""
     while True:
-        tp, pp, cp, dp = (draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4])),
-                          draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3, 4])))
+        tp, pp, cp, dp = (
+            draw(st.sampled_from([1, 2, 4])),
+            draw(st.sampled_from([1, 2, 4])),
+            draw(st.sampled_from([1, 2])),
+            draw(st.sampled_from([1, 2, 3, 4])),
+        )
         world = tp * pp * cp * dp
         if world <= 64:
             break
@@ -50,8 +54,10 @@ def test_families_partition_and_match_formula(lay):
     dense = {"tp": lay.tp, "cp": lay.cp, "ep": 1, "dp": lay.dp, "pp": lay.pp}
     expert = {"tp": lay.etp, "cp": 1, "ep": lay.ep, "dp": lay.edp, "pp": lay.pp}
     assert prod(dense.values()) == prod(expert.values()) == world
-    tokens = {**{k: (v, dense) for k, v in DENSE_FAMILIES.items()},
-              **{k: (v, expert) for k, v in EXPERT_FAMILIES.items()}}
+    tokens = {
+        **{k: (v, dense) for k, v in DENSE_FAMILIES.items()},
+        **{k: (v, expert) for k, v in EXPERT_FAMILIES.items()},
+    }
     for name, (token, sizes) in tokens.items():
         groups = grid.families[name]
         assert sorted(r for g in groups for r in g) == list(range(world)), name
@@ -66,8 +72,9 @@ def test_families_partition_and_match_formula(lay):
             assert len({tuple(c[d] for d in dims) for c in cs}) == len(g)
     # the pipeline groups of the two grids agree (validated by GridLayout)
     assert grid.families["pp"] == grid.expert.get_ranks("pp")
-    for emb, pos, pp in zip(grid.families["embedding"], grid.families["position-embedding"],
-                            grid.families["pp"]):
+    for emb, pos, pp in zip(
+        grid.families["embedding"], grid.families["position-embedding"], grid.families["pp"]
+    ):
         assert emb == sorted({pp[0], pp[-1]}) and pos == [pp[0]]
 
 

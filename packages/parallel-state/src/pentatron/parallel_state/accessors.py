@@ -99,8 +99,21 @@ def get_virtual_pipeline_model_parallel_world_size() -> int | None:
 
 ACCESSORS = sorted(
     [f"get_{s}_{w}" for s in _STEMS for w in ("group", "rank", "world_size")]
-    + [n for n in dir() if n.startswith(("get_data", "get_tensor_and_data", "get_embedding",
-                                          "get_position", "is_pipeline", "get_pipeline_model_parallel_",
-                                          "get_virtual", "set_virtual"))]
+    + [
+        n
+        for n in dir()
+        if n.startswith(
+            (
+                "get_data",
+                "get_tensor_and_data",
+                "get_embedding",
+                "get_position",
+                "is_pipeline",
+                "get_pipeline_model_parallel_",
+                "get_virtual",
+                "set_virtual",
+            )
+        )
+    ]
 )
 ACCESSORS = sorted(set(ACCESSORS))

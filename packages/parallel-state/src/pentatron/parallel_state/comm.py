@@ -63,7 +63,9 @@ class Ledger:
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per group: number of calls, payload bytes and wire bytes."""
-        out: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0})
+        out: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"calls": 0, "bytes": 0, "wire_bytes": 0}
+        )
         for r in self.records:
             entry = out[r.group]
             entry["calls"] += 1
@@ -101,14 +103,26 @@ def trace() -> Iterator[Ledger]:
         _ACTIVE.remove(ledger)
 
 
+# torch 2.13 renamed the tensor forms (*_into_tensor / *_tensor -> *_single) and warns on
+# the old names; older releases only have the old ones.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
 def _record(op: str, group: Any, tensor: torch.Tensor, elements: int, wire_elements: float) -> None:
     item = tensor.element_size()
-    rec = CommRecord(op, group_name(group), tensor.dtype, elements, elements * item,
-                     int(round(wire_elements * item)))
+    rec = CommRecord(
+        op,
+        group_name(group),
+        tensor.dtype,
+        elements,
+        elements * item,
+        round(wire_elements * item),
+    )
     for ledger in _ACTIVE:
         ledger.records.append(rec)
 
@@ -151,8 +165,9 @@ def _call(name: str, group: Any, async_op: bool, fn: Any, *args: Any, **kw: Any)
     return _NamedWork(work, name, group) if async_op else None
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
-               async_op: bool = False) -> Any:
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Any:
     """In place: `tensor` <- reduction over `group`."""
     if _ACTIVE:
         n = _size(group)
@@ -160,35 +175,51 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     return _call("all_reduce", group, async_op, dist.all_reduce, tensor, op=op)
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                           async_op: bool = False) -> Any:
-    """`[n] x input` -> `output` of n times input's elements, rank-major along dim 0."""
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """`[n] x input` -> `output` of n times input's elements, rank-major along dim 0.
+
+    `output` must be `[n * d0, ...]`: gloo rejects a stacked `[n, d0, ...]` output.
+    """
     if _ACTIVE:
         n = _size(group)
         _record("all_gather", group, input, input.numel(), (n - 1) * input.numel())
-    return _call("all_gather", group, async_op, dist.all_gather_into_tensor, output, input)
+    return _call("all_gather", group, async_op, _ALL_GATHER_SINGLE, output, input)
 
 
-def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: Any = None,
-               async_op: bool = False) -> Any:
+def all_gather(
+    outputs: list[torch.Tensor], input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
     if _ACTIVE:
         n = _size(group)
         _record("all_gather", group, input, input.numel(), (n - 1) * input.numel())
     return _call("all_gather", group, async_op, dist.all_gather, outputs, input)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False) -> Any:
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """`input` (n shards along dim 0) -> this rank's reduced shard in `output`."""
     if _ACTIVE:
         n = _size(group)
         _record("reduce_scatter", group, input, input.numel(), (n - 1) / n * input.numel())
-    return _call("reduce_scatter", group, async_op, dist.reduce_scatter_tensor, output, input,
-                 op=op)
+    return _call(
+        "reduce_scatter", group, async_op, _REDUCE_SCATTER_SINGLE, output, input, op=op
+    )
 
 
-def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], op: Any = ReduceOp.SUM,
-                   group: Any = None, async_op: bool = False) -> Any:
+def reduce_scatter(
+    output: torch.Tensor,
+    inputs: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     if _ACTIVE:
         n = _size(group)
         total = sum(t.numel() for t in inputs)
@@ -196,26 +227,43 @@ def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], op: Any = R
     return _call("reduce_scatter", group, async_op, dist.reduce_scatter, output, inputs, op=op)
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: Sequence[int] | None = None,
-                      input_split_sizes: Sequence[int] | None = None, group: Any = None,
-                      async_op: bool = False) -> Any:
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """Rank i's j-th input part (dim 0) lands as rank j's i-th output part."""
     if _ACTIVE:
         n = _size(group)
         row = input[0].numel() if input.dim() else 1
         me = dist.get_group_rank(group, dist.get_rank()) if group is not None else dist.get_rank()
+        sent: float
         if input_split_sizes:
             sent = (sum(input_split_sizes) - input_split_sizes[me]) * row
         else:
             sent = (n - 1) / n * input.numel()
         _record("all_to_all", group, input, input.numel(), sent)
-    return _call("all_to_all", group, async_op, dist.all_to_all_single, output, input,
-                 output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes)
+    return _call(
+        "all_to_all",
+        group,
+        async_op,
+        dist.all_to_all_single,
+        output,
+        input,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+    )
 
 
-def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Any = None,
-               async_op: bool = False) -> Any:
+def all_to_all(
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     if _ACTIVE:
         me = dist.get_group_rank(group, dist.get_rank()) if group is not None else dist.get_rank()
         total = sum(t.numel() for t in inputs)
@@ -280,8 +328,9 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[_NamedWork]:
         if p.op not in ("send", "recv"):
             raise ValueError(f"P2POp.op={p.op!r}: must be 'send' or 'recv'")
         if _ACTIVE:
-            _record(p.op, p.group, p.tensor, p.tensor.numel(),
-                    p.tensor.numel() if p.op == "send" else 0)
+            _record(
+                p.op, p.group, p.tensor, p.tensor.numel(), p.tensor.numel() if p.op == "send" else 0
+            )
         fn = dist.isend if p.op == "send" else dist.irecv
         torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, group=p.group))
     group = ops[0].group

@@ -23,8 +23,15 @@ from .layout import FAMILIES, GridLayout, canonical
 class ProcessGrid:
     """The groups this rank belongs to, by family name (see `layout.FAMILIES` and aliases)."""
 
-    def __init__(self, config: ParallelConfig, layout: ResolvedLayout, grid: GridLayout,
-                 rank: int, groups: dict[str, Any], device_choice: DeviceChoice) -> None:
+    def __init__(
+        self,
+        config: ParallelConfig,
+        layout: ResolvedLayout,
+        grid: GridLayout,
+        rank: int,
+        groups: dict[str, Any],
+        device_choice: DeviceChoice,
+    ) -> None:
         self.config = config
         self.layout = layout
         self.grid_layout = grid
@@ -70,7 +77,11 @@ class ProcessGrid:
         return self.pp_rank == 0
 
     def is_last_stage(self, ignore_virtual: bool = True) -> bool:
-        if not ignore_virtual and self.layout.vpp and self.virtual_pipeline_rank != self.layout.vpp - 1:
+        if (
+            not ignore_virtual
+            and self.layout.vpp
+            and self.virtual_pipeline_rank != self.layout.vpp - 1
+        ):
             return False
         return self.pp_rank == self.layout.pp - 1
 
@@ -90,16 +101,20 @@ class ProcessGrid:
 
     def __repr__(self) -> str:
         lay = self.layout
-        return (f"ProcessGrid(rank={self.global_rank}, tp={lay.tp}, cp={lay.cp}, dp={lay.dp}, "
-                f"pp={lay.pp}, vpp={lay.vpp}, ep={lay.ep}, etp={lay.etp}, edp={lay.edp}, "
-                f"order={lay.order!r}, backend={self.device_choice.backend!r})")
+        return (
+            f"ProcessGrid(rank={self.global_rank}, tp={lay.tp}, cp={lay.cp}, dp={lay.dp}, "
+            f"pp={lay.pp}, vpp={lay.vpp}, ep={lay.ep}, etp={lay.etp}, edp={lay.edp}, "
+            f"order={lay.order!r}, backend={self.device_choice.backend!r})"
+        )
 
 
 _DEFAULT: ProcessGrid | None = None
 
 
 def _init_default_process_group(choice: DeviceChoice, timeout: timedelta) -> None:
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    missing = [
+        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+    ]
     if missing:
         raise RuntimeError(
             f"torch.distributed is not initialised and {', '.join(missing)} are not set; fix: "
@@ -108,8 +123,9 @@ def _init_default_process_group(choice: DeviceChoice, timeout: timedelta) -> Non
     dist.init_process_group(backend=choice.backend, timeout=timeout)
 
 
-def initialize_model_parallel(config: ParallelConfig | None = None, *, backend: str | None = None,
-                              set_default: bool = True) -> ProcessGrid:
+def initialize_model_parallel(
+    config: ParallelConfig | None = None, *, backend: str | None = None, set_default: bool = True
+) -> ProcessGrid:
     """Create every group of `config` on this rank and return the grid.
 
     All validation happens before the first collective: a layout that cannot work raises

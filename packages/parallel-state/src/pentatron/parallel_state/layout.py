@@ -40,8 +40,9 @@ FAMILIES = (*DENSE_FAMILIES, *EXPERT_FAMILIES, "embedding", "position-embedding"
 def canonical(name: str) -> str:
     name = ALIASES.get(name, name)
     if name not in FAMILIES:
-        raise KeyError(f"unknown group {name!r}; known: {', '.join(FAMILIES)} (aliases: "
-                       f"{', '.join(ALIASES)})")
+        raise KeyError(
+            f"unknown group {name!r}; known: {', '.join(FAMILIES)} (aliases: {', '.join(ALIASES)})"
+        )
     return name
 
 

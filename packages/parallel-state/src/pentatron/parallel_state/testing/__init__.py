@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import atexit
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .pool import PoolSet, RankError, RankPool, RankTimeoutError
 
@@ -22,11 +23,18 @@ def default_pools() -> PoolSet:
     return _DEFAULT_POOLS
 
 
-def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,
-                    timeout: float | None = None, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return each rank's result."""
     return default_pools().run(world_size, fn, *args, timeout=timeout, **kwargs)
 
 
-__all__ = ["PoolSet", "RankError", "RankPool", "RankTimeoutError", "default_pools",
-           "run_distributed"]
+__all__ = [
+    "PoolSet",
+    "RankError",
+    "RankPool",
+    "RankTimeoutError",
+    "default_pools",
+    "run_distributed",
+]

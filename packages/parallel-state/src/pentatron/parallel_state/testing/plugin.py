@@ -18,15 +18,25 @@ from .pool import PoolSet
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pentatron")
-    group.addoption("--rank-timeout", type=float, default=180.0,
-                    help="seconds a multi-rank call may take before its ranks are killed")
-    group.addoption("--collective-timeout", type=float, default=90.0,
-                    help="gloo collective timeout inside the worker ranks")
+    group.addoption(
+        "--rank-timeout",
+        type=float,
+        default=180.0,
+        help="seconds a multi-rank call may take before its ranks are killed",
+    )
+    group.addoption(
+        "--collective-timeout",
+        type=float,
+        default=90.0,
+        help="gloo collective timeout inside the worker ranks",
+    )
 
 
 @pytest.fixture(scope="session")
 def distributed(request: pytest.FixtureRequest) -> Iterator[PoolSet]:
-    pools = PoolSet(timeout=request.config.getoption("--rank-timeout"),
-                    collective_timeout=request.config.getoption("--collective-timeout"))
+    pools = PoolSet(
+        timeout=request.config.getoption("--rank-timeout"),
+        collective_timeout=request.config.getoption("--collective-timeout"),
+    )
     yield pools
     pools.close()

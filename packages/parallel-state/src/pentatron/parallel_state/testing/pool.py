@@ -23,8 +23,9 @@ import queue
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 _GRACE_S = 5.0  # how long healthy ranks may keep running after another rank failed
 
@@ -54,8 +55,11 @@ def _resolve(path: str, qualname: str) -> Callable[..., Any]:
     module = _MODULES.get(path)
     if module is None:
         name = "pentatron_rank_fn_" + str(abs(hash(path)))
-        existing = [m for m in list(sys.modules.values())
-                    if getattr(m, "__file__", None) and os.path.abspath(m.__file__) == path]
+        existing = [
+            m
+            for m in list(sys.modules.values())
+            if getattr(m, "__file__", None) and os.path.abspath(str(m.__file__)) == path
+        ]
         if existing:
             module = existing[0]
         else:
@@ -80,20 +84,35 @@ def _after_call() -> None:
     comm._ACTIVE.clear()
 
 
-def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any,
-            results: Any, sys_path: list[str]) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), PENTATRON_BACKEND="gloo")
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    tasks: Any,
+    results: Any,
+    sys_path: list[str],
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PENTATRON_BACKEND="gloo",
+    )
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N ranks share 2 cores: avoid oversubscription
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
     results.put((rank, -1, True, os.getpid()))
     while True:
         task = tasks.get()
@@ -103,18 +122,19 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any,
         try:
             value = _resolve(path, qualname)(*args, **kwargs)
             ok = True
-        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        except BaseException:
             value, ok = traceback.format_exc(), False
         try:
             _after_call()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             if ok:
                 value, ok = "cleanup after the call failed:\n" + traceback.format_exc(), False
         try:
             results.put((rank, call_id, ok, value))
-        except Exception:  # noqa: BLE001 - e.g. an unpicklable result
-            results.put((rank, call_id, False, "result could not be sent back:\n"
-                         + traceback.format_exc()))
+        except Exception:
+            results.put(
+                (rank, call_id, False, "result could not be sent back:\n" + traceback.format_exc())
+            )
     dist.destroy_process_group()
 
 
@@ -144,17 +164,33 @@ class RankPool:
 
         self.close()
         ctx = mp.get_context("spawn")
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.collective_timeout))
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size + 1,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.collective_timeout),
+        )
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with _environ(env):
             self._procs = [
-                ctx.Process(target=_worker, daemon=True, name=f"pentatron-rank{r}",
-                            args=(r, self.world_size, self._store.port, self.collective_timeout,
-                                  self._tasks[r], self._results, list(sys.path)))
+                ctx.Process(
+                    target=_worker,
+                    daemon=True,
+                    name=f"pentatron-rank{r}",
+                    args=(
+                        r,
+                        self.world_size,
+                        self._store.port,
+                        self.collective_timeout,
+                        self._tasks[r],
+                        self._results,
+                        list(sys.path),
+                    ),
+                )
                 for r in range(self.world_size)
             ]
             for p in self._procs:
@@ -162,8 +198,9 @@ class RankPool:
         self.spawn_count += 1
         self._collect(-1, self.timeout, what="start-up")
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
         path, qualname = _function_ref(fn)
         if not self.alive:
@@ -195,15 +232,18 @@ class RankPool:
             raise RankError(_format_failures(what, failures, self.world_size))
         return [done[r][1] for r in range(self.world_size)]
 
-    def _fail_hung(self, what: str, timeout: float, done: dict[int, tuple[bool, Any]],
-                   dead: list[int]) -> None:
+    def _fail_hung(
+        self, what: str, timeout: float, done: dict[int, tuple[bool, Any]], dead: list[int]
+    ) -> None:
         missing = [r for r in range(self.world_size) if r not in done]
         codes = {r: self._procs[r].exitcode for r in dead}
         self.close(kill=True)
         failures = {r: v for r, (ok, v) in done.items() if not ok}
-        lines = [f"{what} on {self.world_size} ranks: rank(s) {missing} did not answer "
-                 f"({'died with exit codes ' + str(codes) if dead else f'over {timeout:.0f} s'});"
-                 " the pool was killed and will be respawned"]
+        lines = [
+            f"{what} on {self.world_size} ranks: rank(s) {missing} did not answer "
+            f"({'died with exit codes ' + str(codes) if dead else f'over {timeout:.0f} s'});"
+            " the pool was killed and will be respawned"
+        ]
         if failures:
             lines.append("first, these ranks failed (the likely cause):")
             lines.append(_format_failures(what, failures, self.world_size))
@@ -258,8 +298,14 @@ class PoolSet:
             self._pools[world_size] = RankPool(world_size, self.timeout, self.collective_timeout)
         return self._pools[world_size]
 
-    def run(self, world_size: int, fn: Callable[..., Any], *args: Any,
-            timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        world_size: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         return self.pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
