@@ -1,0 +1,97 @@
+"""Nox sessions for the Pentatron workspace.
+
+    nox -l                          # list sessions
+    nox -s "tests(parallel-state)"  # one member's tests, with its workspace deps
+    nox -s lint typecheck
+    nox -s standalone               # every member's wheel installed alone in a fresh venv
+
+Members are discovered from the root [tool.uv.workspace] globs, so a new package gets its
+sessions without editing this file. torch is pinned to the local CPU wheel where the machine
+has one (see tools/workspace.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import nox
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
+import workspace
+
+if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
+    # uv ignores pip's settings; without this it would not see the local torch wheel.
+    os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["lint", "tests"]
+
+MEMBERS = workspace.members()
+FOLDERS = [m.folder for m in MEMBERS.values()]
+BY_FOLDER = {m.folder: m for m in MEMBERS.values()}
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
+
+
+def install_torch(session: nox.Session) -> None:
+    session.install(workspace.local_torch_requirement() or "torch>=2.4,<3")
+
+
+@nox.session
+@nox.parametrize("member", FOLDERS, ids=FOLDERS)
+def tests(session: nox.Session, member: str) -> None:
+    """One member's tests, with it and its workspace dependencies installed editable."""
+    target = BY_FOLDER[member]
+    install_torch(session)
+    deps = [arg for dep in target.workspace_deps(MEMBERS) for arg in ("-e", str(dep.path))]
+    session.install(*deps, "-e", f"{target.path}[test]")
+    session.run("pytest", str(target.path / "tests"), *PYTEST_ARGS, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over every member's sources, with all members installed."""
+    install_torch(session)
+    session.install("mypy>=1.10", *(f"-e{m.path}" for m in MEMBERS.values()))
+    sources = [str(m.path / "src") for m in MEMBERS.values()]
+    session.run("mypy", *sources)
+
+
+@nox.session
+@nox.parametrize("member", FOLDERS, ids=FOLDERS)
+def standalone(session: nox.Session, member: str) -> None:
+    """Build every wheel, install this member's alone (only its declared deps) and test it.
+
+    The tests are copied out of the tree and run from a temporary folder, so nothing can be
+    imported from the source checkout by accident.
+    """
+    target = BY_FOLDER[member]
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("uv")
+    for m in MEMBERS.values():
+        session.run("uv", "build", "--wheel", "--out-dir", str(dist), str(m.path), silent=True)
+    install_torch(session)
+    session.install("--find-links", str(dist), f"{target.name}[test]")
+    with tempfile.TemporaryDirectory() as tmp:
+        tests_copy = Path(tmp) / "tests"
+        shutil.copytree(target.path / "tests", tests_copy)
+        session.chdir(tmp)
+        module = "pentatron." + target.folder.replace("-", "_")
+        session.run(
+            "python", "-c", f"import {module} as m; print(m.__name__, m.__version__, m.__file__)"
+        )
+        session.run(
+            "pytest", "tests", *PYTEST_ARGS, "-c", os.devnull, "--rootdir", tmp, *session.posargs
+        )
