@@ -1,0 +1,87 @@
+"""pentatron.tp_layers: Megatron-style tensor- and sequence-parallel layers for any group.
+
+Every layer and function takes its tensor-parallel group (`tp_group`: a ProcessGroup, a
+1-D DeviceMesh or a `(mesh, dim)` pair); None falls back to the default grid of
+`pentatron.parallel_state`.
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding, check_token_ids
+from .grads import mark_sequence_parallel, sync_sequence_parallel_grads
+from .init import init_method_normal, init_sharded_, scaled_init_method_normal, shard_of
+from .layers import (
+    ColumnParallelLinear,
+    LinearWithGradAccumulationAndAsyncCommunication,
+    RowParallelLinear,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from .mappings import (
+    all_to_all,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .random import (
+    DATA_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_seed,
+)
+from .recompute import checkpoint
+from .utils import (
+    TPConfigError,
+    divide,
+    pad_vocab_size,
+    resolve_group,
+    split_tensor_along_last_dim,
+    vocab_range,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DATA_PARALLEL_RNG",
+    "EXPERT_PARALLEL_RNG",
+    "MODEL_PARALLEL_RNG",
+    "ColumnParallelLinear",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "TPConfigError",
+    "VocabParallelEmbedding",
+    "all_to_all",
+    "check_token_ids",
+    "checkpoint",
+    "copy_to_tensor_model_parallel_region",
+    "divide",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "init_method_normal",
+    "init_sharded_",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "mark_sequence_parallel",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_seed",
+    "pad_vocab_size",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "resolve_group",
+    "scaled_init_method_normal",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "shard_of",
+    "split_tensor_along_last_dim",
+    "sync_sequence_parallel_grads",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
+]

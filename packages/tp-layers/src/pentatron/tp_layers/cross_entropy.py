@@ -1,0 +1,108 @@
+"""Cross-entropy over logits sharded along the vocabulary, without gathering them.
+
+    logits [s, b, V/t] on each rank
+      -> local max -> all-reduce(MAX, tp) of [s, b]
+      -> local (target logit, sum exp, [sum of logits]) -> one all-reduce(SUM, tp) of [2|3, s, b]
+      -> per-token loss [s, b]
+
+So the forward moves O(s*b) elements and the backward none: the gradient
+`softmax - (1-eps) onehot - eps/V` is formed from the local shard alone. Label smoothing
+follows torch.nn.functional.cross_entropy: `(1-eps) * nll + eps * mean_j(-log p_j)`, the mean
+over the full vocabulary V (found with the same all-reduce, not over the local shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pentatron.parallel_state import comm
+
+from .embedding import check_token_ids
+from .utils import TPConfigError, group_rank, group_size, resolve_group
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: Any) -> None:
+    if group_size(group) > 1:
+        comm.all_reduce(x, op=op, group=group)
+
+
+def _local_target(target: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, Any]:
+    """Target ids relative to this shard (0 where foreign) and the mask of foreign ones."""
+    foreign = (target < start) | (target >= end)
+    return (target - start).masked_fill(foreign, 0), foreign
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, label_smoothing: float
+    ) -> torch.Tensor:
+        n, rank = group_size(group), group_rank(group)
+        part = logits.size(-1)
+        vocab = part * n
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits_max = x.max(dim=-1).values
+        _all_reduce(logits_max, group, comm.ReduceOp.MAX)
+        shifted = x - logits_max.unsqueeze(-1)  # exp of it cannot overflow
+        local_t, foreign = _local_target(target, rank * part, (rank + 1) * part)
+        predicted = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        exp = shifted.exp()
+        stats = [predicted.masked_fill(foreign, 0.0), exp.sum(dim=-1)]
+        if label_smoothing > 0:
+            stats.append(shifted.sum(dim=-1))
+        stats = torch.stack(stats)
+        _all_reduce(stats, group, comm.ReduceOp.SUM)  # one small collective for all sums
+        log_z = stats[1].log()
+        loss = log_z - stats[0]
+        if label_smoothing > 0:
+            mean_log_p = stats[2] / vocab - log_z
+            loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_p
+        ctx.save_for_backward(exp.div_(stats[1].unsqueeze(-1)), local_t, foreign)
+        ctx.label_smoothing, ctx.vocab, ctx.in_dtype = label_smoothing, vocab, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, None, None, None]:
+        softmax, local_t, foreign = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        own = (~foreign).to(softmax.dtype).unsqueeze(-1)
+        grad = softmax.scatter_add(-1, local_t.unsqueeze(-1), -(1.0 - eps) * own)
+        if eps > 0:
+            grad = grad - eps / ctx.vocab
+        grad = grad * grad_loss.unsqueeze(-1)
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group: Any = None,
+    *,
+    label_smoothing: float = 0.0,
+    check_targets: bool = True,
+) -> torch.Tensor:
+    """Per-token loss `[s, b]` from logits `[s, b, V/t]` sharded over `tp_group` (see module doc).
+
+    `target` `[s, b]` holds ids of the full vocabulary `V = t * V/t`. `check_targets`
+    rejects ids outside `[0, V)` (one host sync), which would otherwise give a wrong loss.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise TPConfigError(
+            f"label_smoothing={label_smoothing}: the rule: 0 <= label_smoothing < 1; "
+            "fix: e.g. label_smoothing=0.1"
+        )
+    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
+        raise TPConfigError(
+            f"target shape {tuple(target.shape)} does not match logits "
+            f"{tuple(vocab_parallel_logits.shape)}; the rule: target is logits.shape[:-1]; "
+            "fix: pass one target id per logits row"
+        )
+    group = resolve_group(tp_group)
+    if check_targets:
+        vocab = vocab_parallel_logits.size(-1) * group_size(group)
+        check_token_ids(target, vocab, "vocab_parallel_cross_entropy")
+    return _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits, target, group, float(label_smoothing)
+    )
