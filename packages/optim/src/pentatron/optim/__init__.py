@@ -1,0 +1,55 @@
+"""pentatron.optim: DDP over bucketed grad buffers, ZeRO-1 distributed optimizer, mixed
+precision with loss scaling, global grad-norm clipping, and lr / wd schedules."""
+
+from .distributed.ddp import DistributedDataParallel, is_expert_param
+from .distributed.ddp_config import DDPConfig
+from .distributed.finalize import allreduce_grads, finalize_model_grads
+from .distributed.grad_buffer import Bucket, BufferLayout, ParamAndGradBuffer, plan_layout
+from .errors import OptimConfigError
+from .optimizer.clip_grads import (
+    GradSet,
+    clip_grads_by_norm,
+    count_zeros,
+    counts_for_norm,
+    found_inf_anywhere,
+    global_grad_norm,
+)
+from .optimizer.config import OptimizerConfig
+from .optimizer.distributed_optimizer import DistributedOptimizer
+from .optimizer.factory import get_optimizer
+from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .optimizer.mixed_precision import GradStatsGroups, MixedPrecisionOptimizer, StepResult
+from .optimizer.param_groups import default_no_weight_decay, get_param_groups
+from .scheduler import OptimizerParamScheduler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bucket",
+    "BufferLayout",
+    "ConstantGradScaler",
+    "DDPConfig",
+    "DistributedDataParallel",
+    "DistributedOptimizer",
+    "DynamicGradScaler",
+    "GradSet",
+    "GradStatsGroups",
+    "MixedPrecisionOptimizer",
+    "OptimConfigError",
+    "OptimizerConfig",
+    "OptimizerParamScheduler",
+    "ParamAndGradBuffer",
+    "StepResult",
+    "allreduce_grads",
+    "clip_grads_by_norm",
+    "count_zeros",
+    "counts_for_norm",
+    "default_no_weight_decay",
+    "finalize_model_grads",
+    "found_inf_anywhere",
+    "get_optimizer",
+    "get_param_groups",
+    "global_grad_norm",
+    "is_expert_param",
+    "plan_layout",
+]

@@ -1,0 +1,47 @@
+"""`get_optimizer(config, model_chunks)`: the optimizer Megatron's config asks for."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pentatron.parallel_state import ProcessGrid
+
+from ..distributed.ddp import DistributedDataParallel
+from ..errors import config_error
+from .config import OptimizerConfig
+from .distributed_optimizer import DistributedOptimizer
+from .mixed_precision import GradStatsGroups, MixedPrecisionOptimizer
+from .param_groups import NameCond, get_param_groups
+
+
+def get_optimizer(
+    config: OptimizerConfig,
+    model_chunks: Sequence[DistributedDataParallel],
+    *,
+    grid: ProcessGrid | None = None,
+    stats_groups: GradStatsGroups | None = None,
+    no_weight_decay_cond: NameCond | None = None,
+    scale_lr_cond: NameCond | None = None,
+    lr_mult: float = 1.0,
+) -> MixedPrecisionOptimizer:
+    """Build the (distributed) mixed-precision optimizer over DDP-wrapped `model_chunks`."""
+    for chunk in model_chunks:
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(
+                f"model chunk {type(chunk).__name__} is not wrapped in "
+                "DistributedDataParallel; fix: wrap each chunk first"
+            )
+        if chunk.config.use_distributed_optimizer != config.use_distributed_optimizer:
+            raise config_error(
+                "use_distributed_optimizer",
+                config.use_distributed_optimizer,
+                f"OptimizerConfig and DDPConfig disagree (DDPConfig has "
+                f"{chunk.config.use_distributed_optimizer})",
+                "set the same value in both",
+            )
+    groups: list[dict[str, Any]] = get_param_groups(
+        model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult
+    )
+    cls = DistributedOptimizer if config.use_distributed_optimizer else MixedPrecisionOptimizer
+    return cls(config, model_chunks, groups, grid=grid, stats_groups=stats_groups)
