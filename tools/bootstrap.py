@@ -33,10 +33,16 @@ def main() -> int:
         constraints.write((torch_pin or "") + "\n")
     # torch first and alone: a later resolver run then sees it satisfied and never upgrades it.
     pip("install", "-q", torch_pin or "torch>=2.4,<3")
-    editable = []
-    for member in workspace.members().values():
-        editable += ["-e", f"{member.path}[test]"]
-    pip("install", "-q", "-c", constraints.name, *editable, *workspace.dev_requirements())
+    # Members one at a time in dependency order: pip cannot resolve a member's requirement on
+    # an unpublished sibling (pentatron-parallel-state) from an editable in the same call.
+    members = workspace.members()
+    ordered: dict[str, workspace.Member] = {}
+    for member in members.values():
+        for dep in [*member.workspace_deps(members), member]:
+            ordered.setdefault(dep.name, dep)
+    pip("install", "-q", "-c", constraints.name, *workspace.dev_requirements())
+    for member in ordered.values():
+        pip("install", "-q", "-c", constraints.name, "-e", f"{member.path}[test]")
     Path(constraints.name).unlink()
     return 0
 
