@@ -1,0 +1,59 @@
+"""pentatron.pipeline: p2p between pipeline stages, no-pipelining / 1F1B / interleaved
+schedules, the schedule table, stage layout, timelines and bubble accounting."""
+
+from .bubble import BubbleReport, bubble_report, ideal_bubble_fraction
+from .config import PipelineConfig, PipelineConfigError, check_schedule, tensor_shape
+from .layout import StageLayout
+from .p2p import P2PCommunicator
+from .schedule_table import (
+    Op,
+    get_schedule_table,
+    phase_counts,
+    rank_schedule,
+    warmup_count,
+)
+from .schedules import (
+    backward_step,
+    custom_backward,
+    deallocate_output_tensor,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    forward_step,
+    get_forward_backward_func,
+)
+from .timeline import Event, ScheduleDeadlock, Timeline, simulate, simulate_ops, to_chrome_trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BubbleReport",
+    "Event",
+    "Op",
+    "P2PCommunicator",
+    "PipelineConfig",
+    "PipelineConfigError",
+    "ScheduleDeadlock",
+    "StageLayout",
+    "Timeline",
+    "__version__",
+    "backward_step",
+    "bubble_report",
+    "check_schedule",
+    "custom_backward",
+    "deallocate_output_tensor",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_step",
+    "get_forward_backward_func",
+    "get_schedule_table",
+    "ideal_bubble_fraction",
+    "phase_counts",
+    "rank_schedule",
+    "simulate",
+    "simulate_ops",
+    "tensor_shape",
+    "to_chrome_trace",
+    "warmup_count",
+]

@@ -1,0 +1,146 @@
+"""Stage layout: which of L layers each (pipeline rank, chunk) builds.
+
+Chunk c of pipeline rank r is virtual stage s = c * p + r; layers are numbered along the
+virtual stages (Megatron's round-robin assignment), so chunk 0 of every rank comes first.
+As in Megatron-LM (`get_num_layers_to_build`, `get_transformer_layer_offset`):
+- even split: (L [+1 embedding] [+1 loss]) / p per rank, / v per chunk; with
+  `account_for_embedding` the first virtual stage builds one layer fewer (the embedding
+  takes its slot), with `account_for_loss` the last one does;
+- uneven split: `first_stage_layers` / `last_stage_layers` (Megatron's
+  decoder_first/last_pipeline_num_layers) fix the first / last rank, the rest is spread
+  evenly over the middle ranks.
+Every impossible split raises `PipelineConfigError` naming the field, the rule and a fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import PipelineConfigError
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    num_layers: int
+    pp: int
+    vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "pp"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.vpp is not None:
+            _check_int("vpp", self.vpp, minimum=1)
+        uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
+        if uneven and (self.account_for_embedding or self.account_for_loss):
+            raise PipelineConfigError(
+                "first_stage_layers/last_stage_layers with account_for_embedding/"
+                "account_for_loss: the rule (Megatron-LM): an uneven split already says where "
+                "layers go; fix: use one of the two ways"
+            )
+        if uneven:
+            self._check_uneven()
+        else:
+            self._check_even()
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    # --- validation ------------------------------------------------------------------------
+    def _check_even(self) -> None:
+        slots = self.num_layers + self.account_for_embedding + self.account_for_loss
+        extra = (
+            " (+1 embedding)" * self.account_for_embedding + " (+1 loss)" * self.account_for_loss
+        )
+        if slots % self.pp:
+            raise PipelineConfigError(
+                f"num_layers={self.num_layers}{extra} = {slots} is not divisible by pp={self.pp}; "
+                f"the rule: every pipeline rank gets the same number of layers; fix: use a "
+                f"multiple of {self.pp} layers, or set first_stage_layers/last_stage_layers"
+            )
+        if (slots // self.pp) % self.chunks:
+            raise PipelineConfigError(
+                f"num_layers={self.num_layers}{extra}: {slots // self.pp} layers per pipeline "
+                f"rank are not divisible by vpp={self.vpp}; the rule: each of the vpp chunks of "
+                f"a rank gets the same number of layers; fix: use a multiple of "
+                f"{self.pp * self.chunks} layers or another vpp"
+            )
+
+    def _check_uneven(self) -> None:
+        first, last = self.first_stage_layers, self.last_stage_layers
+        for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value % self.chunks:
+                    raise PipelineConfigError(
+                        f"{name}={value} is not divisible by vpp={self.vpp}; the rule: the "
+                        f"rank's chunks share its layers evenly; fix: use a multiple of {self.vpp}"
+                    )
+        if self.pp == 1:
+            raise PipelineConfigError(
+                "first_stage_layers/last_stage_layers with pp=1: there is one stage; "
+                "fix: leave them unset"
+            )
+        middle_ranks = self.pp - (first is not None) - (last is not None)
+        rest = self.num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle_ranks == 0 and rest) or (middle_ranks and rest % middle_ranks):
+            raise PipelineConfigError(
+                f"num_layers={self.num_layers} with first_stage_layers={first}, "
+                f"last_stage_layers={last}: {rest} layers remain for {middle_ranks} middle "
+                f"rank(s); the rule: the rest splits evenly over the other pipeline ranks; "
+                f"fix: change num_layers or the first/last stage sizes"
+            )
+        if middle_ranks and (rest // middle_ranks) % self.chunks:
+            raise PipelineConfigError(
+                f"{rest // middle_ranks} layers per middle pipeline rank are not divisible by "
+                f"vpp={self.vpp}; fix: change num_layers or the first/last stage sizes"
+            )
+
+    # --- queries ---------------------------------------------------------------------------
+    def _rank_slots(self, pp_rank: int) -> int:
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if first is None and last is None:
+            return (self.num_layers + self.account_for_embedding + self.account_for_loss) // self.pp
+        if pp_rank == 0 and first is not None:
+            return first
+        if pp_rank == self.pp - 1 and last is not None:
+            return last
+        middle = self.pp - (first is not None) - (last is not None)
+        return (self.num_layers - (first or 0) - (last or 0)) // middle
+
+    def num_layers_to_build(self, pp_rank: int, chunk: int = 0) -> int:
+        """Transformer layers of chunk `chunk` on pipeline rank `pp_rank`."""
+        self._check_position(pp_rank, chunk)
+        n = self._rank_slots(pp_rank) // self.chunks
+        if self.account_for_embedding and pp_rank == 0 and chunk == 0:
+            n -= 1
+        if self.account_for_loss and pp_rank == self.pp - 1 and chunk == self.chunks - 1:
+            n -= 1
+        return n
+
+    def layer_offset(self, pp_rank: int, chunk: int = 0) -> int:
+        """Global index of the first layer of that chunk (layers follow virtual stages)."""
+        self._check_position(pp_rank, chunk)
+        stage = chunk * self.pp + pp_rank
+        return sum(self.num_layers_to_build(s % self.pp, s // self.pp) for s in range(stage))
+
+    def layers(self, pp_rank: int, chunk: int = 0) -> range:
+        start = self.layer_offset(pp_rank, chunk)
+        return range(start, start + self.num_layers_to_build(pp_rank, chunk))
+
+    def _check_position(self, pp_rank: int, chunk: int) -> None:
+        if not 0 <= pp_rank < self.pp or not 0 <= chunk < self.chunks:
+            raise ValueError(
+                f"(pp_rank={pp_rank}, chunk={chunk}) outside pp={self.pp}, vpp={self.vpp}"
+            )
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise PipelineConfigError(
+            f"{name}={value!r}: must be an integer >= {minimum}; fix: set {name} >= {minimum}"
+        )

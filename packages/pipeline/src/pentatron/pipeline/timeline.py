@@ -1,0 +1,170 @@
+"""Timelines: record what each rank did and when, or simulate a schedule in logical time.
+
+An `Event` is (rank, start, end, kind, microbatch, chunk); kinds are "forward",
+"backward" (compute) and "p2p" (time inside a p2p exchange). A `Timeline` handed to a
+schedule records its events with a wall clock; `simulate` replays `rank_schedule` with
+given forward / backward / p2p costs, assuming sends never block (each op starts when its
+rank is free and its input has arrived), which is the schedule's logical cost model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .schedule_table import Op, rank_schedule
+
+COMPUTE_KINDS = ("forward", "backward")
+_KIND_OF_OP = {"F": "forward", "B": "backward"}
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    start: float
+    end: float
+    kind: str
+    microbatch: int | None = None
+    chunk: int | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    """Event recorder of one rank; pass it to a schedule as `timeline=`."""
+
+    rank: int = 0
+    clock: Callable[[], float] = time.perf_counter
+    events: list[Event] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._t0 = self.clock()
+
+    @contextlib.contextmanager
+    def span(
+        self, kind: str, microbatch: int | None = None, chunk: int | None = None
+    ) -> Iterator[None]:
+        start = self.clock() - self._t0
+        try:
+            yield
+        finally:
+            self.events.append(
+                Event(self.rank, start, self.clock() - self._t0, kind, microbatch, chunk)
+            )
+
+    def ops(self) -> list[Op]:
+        """The compute steps in the order this rank ran them."""
+        return [
+            Op("F" if e.kind == "forward" else "B", e.microbatch, e.chunk)
+            for e in self.events
+            if e.kind in COMPUTE_KINDS
+        ]
+
+
+class ScheduleDeadlock(RuntimeError):
+    """The op order cannot run: some rank waits on an op that never runs."""
+
+
+def simulate_ops(
+    ops_per_rank: Sequence[Sequence[Op]],
+    num_model_chunks: int = 1,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    p2p_cost: float = 0.0,
+) -> list[Event]:
+    """Logical-time run of per-rank op orders on p ranks with v chunks each.
+
+    Chunk c on rank r is virtual stage s = c * p + r. F(mb, s) needs F(mb, s - 1) (plus
+    p2p_cost), B(mb, s) needs B(mb, s + 1) (plus p2p_cost) or, on the last stage, F(mb, s).
+    Each rank runs its ops in order, one at a time.
+    """
+    p = len(ops_per_rank)
+    last = p * num_model_chunks - 1
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    pos = [0] * p
+    events: list[Event] = []
+
+    def ready(op: Op, rank: int) -> float | None:
+        s = op.chunk * p + rank
+        if op.kind == "F":
+            dep, hop = (("F", op.microbatch, s - 1), s > 0)
+        else:
+            dep, hop = (
+                (("B", op.microbatch, s + 1), True)
+                if s < last
+                else (("F", op.microbatch, s), False)
+            )
+        if op.kind == "F" and s == 0:
+            return 0.0
+        if dep not in done:
+            return None
+        return done[dep] + (p2p_cost if hop else 0.0)
+
+    while any(pos[r] < len(ops_per_rank[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(ops_per_rank[r]):
+                op = ops_per_rank[r][pos[r]]
+                arrival = ready(op, r)
+                if arrival is None:
+                    break
+                start = max(free[r], arrival)
+                end = start + (forward_cost if op.kind == "F" else backward_cost)
+                done[(op.kind, op.microbatch, op.chunk * p + r)] = end
+                events.append(Event(r, start, end, _KIND_OF_OP[op.kind], op.microbatch, op.chunk))
+                free[r] = end
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: ops_per_rank[r][pos[r]] for r in range(p) if pos[r] < len(ops_per_rank[r])}
+            raise ScheduleDeadlock(f"no rank can proceed; next ops per rank: {stuck}")
+    return sorted(events, key=lambda e: (e.rank, e.start))
+
+
+def simulate(
+    pp: int,
+    num_microbatches: int,
+    vpp: int | None = None,
+    group_size: int | None = None,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    p2p_cost: float = 0.0,
+    forward_only: bool = False,
+) -> list[Event]:
+    """Simulate the schedule `get_forward_backward_func(pp, vpp)` runs (see `simulate_ops`)."""
+    ops = [rank_schedule(pp, r, num_microbatches, vpp, group_size, forward_only) for r in range(pp)]
+    return simulate_ops(ops, vpp or 1, forward_cost, backward_cost, p2p_cost)
+
+
+def to_chrome_trace(events: Sequence[Event], time_unit_us: float = 1e6) -> dict:
+    """Chrome / Perfetto trace (`chrome://tracing`): one thread per rank, times in µs."""
+    trace = []
+    for e in events:
+        tag = "F" if e.kind == "forward" else "B" if e.kind == "backward" else e.kind
+        name = tag if e.microbatch is None else f"{tag}{e.microbatch}"
+        if e.chunk is not None and e.kind in COMPUTE_KINDS:
+            name += f".c{e.chunk}"
+        trace.append(
+            {
+                "name": name,
+                "cat": e.kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": e.rank,
+                "ts": e.start * time_unit_us,
+                "dur": e.duration * time_unit_us,
+                "args": {"microbatch": e.microbatch, "chunk": e.chunk},
+            }
+        )
+    ranks = sorted({e.rank for e in events})
+    meta = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in ranks
+    ]
+    return {"traceEvents": meta + trace, "displayTimeUnit": "ms"}
