@@ -37,7 +37,7 @@ PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
 
 
 def install_torch(session: nox.Session) -> None:
-    session.install(workspace.local_torch_requirement() or "torch>=2.4,<3")
+    session.install(workspace.torch_requirement())
 
 
 @nox.session

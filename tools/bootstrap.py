@@ -28,20 +28,15 @@ def main() -> int:
         pip("install", "-q", "tomli")
     import workspace
 
-    torch_pin = workspace.local_torch_requirement()
+    torch = workspace.torch_requirement()
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
-        constraints.write((torch_pin or "") + "\n")
+        constraints.write(torch + "\n")
     # torch first and alone: a later resolver run then sees it satisfied and never upgrades it.
-    pip("install", "-q", torch_pin or "torch>=2.4,<3")
-    # Members one at a time in dependency order: pip cannot resolve a member's requirement on
-    # an unpublished sibling (pentatron-parallel-state) from an editable in the same call.
-    members = workspace.members()
-    ordered: dict[str, workspace.Member] = {}
-    for member in members.values():
-        for dep in [*member.workspace_deps(members), member]:
-            ordered.setdefault(dep.name, dep)
+    pip("install", "-q", torch)
     pip("install", "-q", "-c", constraints.name, *workspace.dev_requirements())
-    for member in ordered.values():
+    # One member per call, dependencies first: pip cannot resolve a member's requirement on an
+    # unpublished sibling (pentatron-parallel-state) from an editable in the same call.
+    for member in workspace.install_order():
         pip("install", "-q", "-c", constraints.name, "-e", f"{member.path}[test]")
     Path(constraints.name).unlink()
     return 0

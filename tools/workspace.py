@@ -72,6 +72,16 @@ def members() -> dict[str, Member]:
     return found
 
 
+def install_order() -> list[Member]:
+    """Every member, each after the members it depends on."""
+    found = members()
+    ordered: dict[str, Member] = {}
+    for member in found.values():
+        for dep in [*member.workspace_deps(found), member]:
+            ordered.setdefault(dep.name, dep)
+    return list(ordered.values())
+
+
 def dev_requirements() -> list[str]:
     """The root `dev` dependency group."""
     return list(_load_toml(ROOT / "pyproject.toml")["dependency-groups"]["dev"])
@@ -93,3 +103,8 @@ def local_torch_requirement() -> str | None:
             version = wheel.name.split("-")[1].split("+")[0]
             return f"torch=={version}"
     return None
+
+
+def torch_requirement() -> str:
+    """The local CPU wheel's pin where there is one, else the range every member accepts."""
+    return local_torch_requirement() or "torch>=2.4,<3"
