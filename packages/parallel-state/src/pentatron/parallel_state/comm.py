@@ -208,9 +208,7 @@ def reduce_scatter_tensor(
     if _ACTIVE:
         n = _size(group)
         _record("reduce_scatter", group, input, input.numel(), (n - 1) / n * input.numel())
-    return _call(
-        "reduce_scatter", group, async_op, _REDUCE_SCATTER_SINGLE, output, input, op=op
-    )
+    return _call("reduce_scatter", group, async_op, _REDUCE_SCATTER_SINGLE, output, input, op=op)
 
 
 def reduce_scatter(
