@@ -55,11 +55,13 @@ class _Recorder:
         return ctx()
 
 
-_LIVE: dict[int, int] = {}  # micro-batch -> saved tensors alive (saved_tensors_hooks)
+_LIVE: dict[tuple[int, int], int] = {}  # (micro-batch, chunk) -> saved tensors alive
 
 
 class _Saved:
-    def __init__(self, mb: int, t: torch.Tensor) -> None:
+    """What saved_tensors_hooks packs: counts the tensors autograd keeps per (mb, chunk)."""
+
+    def __init__(self, mb: tuple[int, int], t: torch.Tensor) -> None:
         self.mb, self.t = mb, t
         _LIVE[mb] = _LIVE.get(mb, 0) + 1
 
@@ -123,7 +125,8 @@ def _run_case(grid, case: dict) -> dict:
         peak["alive_outputs"] = max(
             peak["alive_outputs"], sum(not torch.UntypedStorage._expired(w) for w in storages)
         )
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(mb, t), lambda s: s.t):
+        key = (mb, model.chunk)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(key, t), lambda s: s.t):
             out = model(x)
         peak["mbs"] = max(peak["mbs"], sum(1 for n in _LIVE.values() if n > 0))
         last = rank == pp - 1 and model.chunk == v - 1
@@ -345,8 +348,16 @@ def test_schedules_match_single_process(distributed, world):
             # 1F1B memory: rank r holds at most min(p - r, m) micro-batches' activations.
             for r in per_rank:
                 assert r["peak_mbs"] == min(world - r["rank"], case["m"]), (case, r["rank"])
-        if case.get("dealloc") and case.get("vpp") is None:
-            # Pseudo-freed outputs: no sent output's storage survives to the next forward.
+        if case.get("vpp") and not case.get("forward_only"):
+            # Interleaved memory: rank r holds at most warm-up + 1 (micro-batch, chunk)
+            # activations, warm-up = (p - r - 1) * 2 + (v - 1) * group, all m * v if larger.
+            v, m, g = case["vpp"], case["m"], case.get("group") or world
+            for r in per_rank:
+                warm = (world - r["rank"] - 1) * 2 + (v - 1) * g
+                assert r["peak_mbs"] == min(warm + 1, m * v), (case, r["rank"], r["peak_mbs"])
+        if case.get("dealloc"):
+            # Pseudo-freed outputs: no sent output's storage survives to the next forward
+            # (interleaved with overlap: freed once its send was waited on, before then).
             assert all(r["alive_outputs"] == 0 for r in per_rank)
         if case == dict(m=2 * world, batch=True):
             # Control: without freeing, rank 0 keeps its warm-up outputs alive.
@@ -439,3 +450,47 @@ def test_stage_that_raises_fails_every_rank(distributed):
     assert "rank(s) [0, 1]" in text
     assert "stage 1 broke on micro-batch 1" in text  # the failing rank, named with its error
     assert "CollectiveError" in text and "did not complete" in text  # its peer, not hung
+
+
+def _interleaved_stage_raises() -> str:
+    """p = 4, v = 2, m = 8: pipeline rank 2 raises in its first steady-state forward."""
+    grid = initialize_model_parallel(ParallelConfig(pp=4, vpp=2, timeout=timedelta(seconds=2)))
+    rank = grid.rank("pp")
+    layout = StageLayout(LAYERS, 4, 2)
+    blocks = build_blocks()
+    chunks = [Chunk(blocks, layout.layers(rank, c), rank == 0 and c == 0, c) for c in range(2)]
+    data = microbatches(8)
+    warmup = (4 - rank - 1) * 2 + 4
+    calls = {"n": 0}
+
+    def forward_step(it, model):
+        calls["n"] += 1
+        if rank == 2 and calls["n"] == warmup + 1:
+            raise RuntimeError("stage 2 broke in its steady state")
+        x, target, mask = next(it)
+        return model(x), make_loss(target, mask, False)
+
+    get_forward_backward_func(4, 2)(
+        forward_step_func=forward_step,
+        data_iterator=[iter(data) for _ in range(2)],
+        model=chunks,
+        num_microbatches=8,
+        seq_length=S,
+        micro_batch_size=B,
+        grid=grid,
+        config=PipelineConfig(hidden_size=H, pipeline_dtype=torch.float64, batch_p2p_comm=False),
+    )
+    return "finished"
+
+
+def test_interleaved_stage_that_raises_fails_every_rank(distributed):
+    """Ranks not adjacent to the failing one fail too (their neighbours' groups go away),
+    inside the harness's grace period, so every rank answers: RankError, not a timeout."""
+    from pentatron.parallel_state.testing import RankError
+
+    with pytest.raises(RankError) as info:
+        distributed.run(4, _interleaved_stage_raises)
+    text = str(info.value)
+    assert "rank(s) [0, 1, 2, 3]" in text
+    assert "stage 2 broke in its steady state" in text
+    assert text.count("did not complete") >= 3  # ranks 0, 1 and 3: CollectiveError, not hung
