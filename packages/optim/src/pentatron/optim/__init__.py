@@ -1,9 +1,17 @@
 """pentatron.optim: DDP over bucketed grad buffers, ZeRO-1 distributed optimizer, mixed
 precision with loss scaling, global grad-norm clipping, and lr / wd schedules."""
 
+from .checkpointing import (
+    CheckpointMismatchError,
+    FlatPieces,
+    load_optimizer,
+    save_optimizer,
+    sharded_state_dict,
+)
 from .distributed.ddp import DistributedDataParallel, is_expert_param
 from .distributed.ddp_config import DDPConfig
 from .distributed.finalize import allreduce_grads, finalize_model_grads
+from .distributed.fsdp import FSDP2DataParallel, apply_fsdp2, default_blocks
 from .distributed.grad_buffer import Bucket, BufferLayout, ParamAndGradBuffer, plan_layout
 from .errors import OptimConfigError
 from .optimizer.clip_grads import (
@@ -22,16 +30,19 @@ from .optimizer.mixed_precision import GradStatsGroups, MixedPrecisionOptimizer,
 from .optimizer.param_groups import default_no_weight_decay, get_param_groups
 from .scheduler import OptimizerParamScheduler
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "Bucket",
     "BufferLayout",
+    "CheckpointMismatchError",
     "ConstantGradScaler",
     "DDPConfig",
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicGradScaler",
+    "FSDP2DataParallel",
+    "FlatPieces",
     "GradSet",
     "GradStatsGroups",
     "MixedPrecisionOptimizer",
@@ -41,9 +52,11 @@ __all__ = [
     "ParamAndGradBuffer",
     "StepResult",
     "allreduce_grads",
+    "apply_fsdp2",
     "clip_grads_by_norm",
     "count_zeros",
     "counts_for_norm",
+    "default_blocks",
     "default_no_weight_decay",
     "finalize_model_grads",
     "found_inf_anywhere",
@@ -51,5 +64,8 @@ __all__ = [
     "get_param_groups",
     "global_grad_norm",
     "is_expert_param",
+    "load_optimizer",
     "plan_layout",
+    "save_optimizer",
+    "sharded_state_dict",
 ]

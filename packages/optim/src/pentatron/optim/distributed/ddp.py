@@ -61,6 +61,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.buffers = self._make_buffers(dense, dp_group, "dense")
         self.expert_buffers = self._make_buffers(expert, expert_dp_group, "expert")
         self.param_to_buffer = {p: b for b in self.all_buffers for p in b.params}
+        for p in params:
+            # Layers that accumulate dW straight into `main_grad` (gradient accumulation
+            # fusion) set this and hand autograd a dummy grad, so the hook below still fires.
+            p.grad_added_to_main_grad = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
         if config.overlap_param_gather:
             self._hooks += [
@@ -114,9 +118,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- hooks -------------------------------------------------------------------------
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
-        if param.grad is not None:
+        if param.grad is not None and not param.grad_added_to_main_grad:
             param.main_grad.add_(param.grad)  # accumulate across micro-batches, in grad dtype
-            param.grad = None
+        param.grad = None
+        param.grad_added_to_main_grad = False
         if self.config.overlap_grad_reduce and self.is_last_microbatch:
             self.param_to_buffer[param].register_grad_ready(param)
 

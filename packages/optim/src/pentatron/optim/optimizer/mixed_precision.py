@@ -9,6 +9,7 @@ params; main params are written back to the model (rounded to its dtype).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -28,6 +29,8 @@ from .clip_grads import (
 )
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+logger = logging.getLogger("pentatron.optim")
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class MixedPrecisionOptimizer:
             )
         self.optimizer = make_inner_optimizer(config, inner_groups)
         self.grad_scaler: ConstantGradScaler | None = None
+        self.num_skipped_steps = 0
+        """Steps skipped because of inf/nan grads (the same count on every rank)."""
         if config.fp16:
             self.grad_scaler = (
                 ConstantGradScaler(config.loss_scale)
@@ -221,6 +226,14 @@ class MixedPrecisionOptimizer:
             found_inf = found_inf_anywhere(grads, self.stats.found_inf)
             self.grad_scaler.update(found_inf)
             if found_inf:
+                self.num_skipped_steps += 1
+                logger.warning(
+                    "inf/nan in the grads on some rank: step skipped on every rank "
+                    "(loss scale %g -> %g, %d skipped so far)",
+                    scale,
+                    self.grad_scaler.scale,
+                    self.num_skipped_steps,
+                )
                 self._clear_main_grads()
                 return StepResult(False, None, None, scale)
         sets = self._grad_sets()

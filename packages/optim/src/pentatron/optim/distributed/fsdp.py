@@ -1,0 +1,141 @@
+"""Torch FSDP2 (`fully_shard`) as the alternative data-parallel engine, behind our DDP interface.
+
+`apply_fsdp2(module, dp)` shards every block (by default each child of a `nn.ModuleList`,
+the `layers` of a transformer), then the root, over the dp mesh. Each param becomes a
+`DTensor` `Shard(0)` over dp (`[n, ...]` -> `[ceil(n/d), ...]` per rank, padded), so params,
+grads and optimizer state all take 1/d of their memory per rank (ZeRO-3).
+
+Collectives, per block: forward `param[n/d]` -> all-gather(dp) -> `param[n]` (in
+`param_dtype`), freed again after forward with `reshard_after_forward`; backward
+`grad[n]` -> reduce-scatter(dp, averaging, in `reduce_dtype`) -> `grad[n/d]`. Both are
+issued by FSDP2's own hooks, so `finish_grad_sync` and the param-sync calls are no-ops and
+any torch optimizer (e.g. `torch.optim.AdamW`) steps the `DTensor` shards directly. Its
+`state_dict()` holds `DTensor`s, which torch.distributed.checkpoint saves and reshards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pentatron.parallel_state import comm
+
+try:  # public from torch 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 / 2.5
+    from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
+
+
+def default_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of every `nn.ModuleList` (transformer layers), outermost lists first."""
+    blocks: list[torch.nn.Module] = []
+    for m in module.modules():
+        if isinstance(m, torch.nn.ModuleList):
+            blocks += [b for b in m if not any(b is x for x in blocks)]
+    return blocks
+
+
+def _as_mesh(dp: DeviceMesh | Any, device_type: str) -> DeviceMesh:
+    if isinstance(dp, DeviceMesh):
+        return dp
+    return DeviceMesh.from_group(dp, device_type)
+
+
+class FSDP2DataParallel(torch.nn.Module):
+    """A module sharded by `fully_shard`, with the calls a training loop makes on our DDP.
+
+    Build it with `apply_fsdp2`. `no_sync()` accumulates unsharded grads without
+    reduce-scatter (the last micro-batch, outside, reduces them); `zero_grad_buffer()` drops
+    the grads; the grad- and param-sync calls are no-ops because FSDP2 issues them itself.
+    """
+
+    def __init__(self, module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        if not isinstance(module, FSDPModule):
+            raise TypeError("FSDP2DataParallel wraps a fully_shard-ed module; use apply_fsdp2")
+        self.module = module
+        self.dp_mesh = dp_mesh
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches run inside only accumulate grads; the last one, outside, reduces."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def start_grad_sync(self) -> None:
+        """No-op: FSDP2 launches each block's reduce-scatter in backward."""
+
+    def finish_grad_sync(self) -> None:
+        """No-op: FSDP2 waits for its reduce-scatters at the end of backward."""
+
+    def start_param_sync(self, async_op: bool | None = None) -> None:
+        """No-op: FSDP2 all-gathers each block's params before its forward."""
+
+    def finish_param_sync(self) -> None:
+        """No-op (see `start_param_sync`)."""
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def scale_gradients(self, factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's state dict (no `module.` prefix), params as `DTensor` shards."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def apply_fsdp2(
+    module: torch.nn.Module,
+    dp: DeviceMesh | Any,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    blocks: Iterable[torch.nn.Module] | None = None,
+    broadcast_params: bool = True,
+) -> FSDP2DataParallel:
+    """Shard `module` over `dp` (a 1-D `DeviceMesh` or a process group) with FSDP2.
+
+    `param_dtype`: dtype params are all-gathered in for compute (None: as stored, e.g. bf16
+    compute over fp32 sharded params with `torch.bfloat16`); `reduce_dtype`: dtype of the
+    grad reduce-scatter. `blocks` (default `default_blocks(module)`) get their own
+    `fully_shard` so one block's params are gathered at a time; the root takes the rest.
+    `broadcast_params` first copies the params of dp rank 0 to every rank (as our DDP does),
+    so the shards cut from them agree.
+    """
+    device = next(module.parameters()).device
+    mesh = _as_mesh(dp, device.type)
+    if broadcast_params:
+        group = mesh.get_group()
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for p in module.parameters():
+                comm.broadcast(p.data, src=src, group=group)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for block in default_blocks(module) if blocks is None else blocks:
+        fully_shard(block, **kwargs)
+    # The root's params are used last in forward and first in backward: keep them gathered.
+    fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+    return FSDP2DataParallel(module, mesh)
