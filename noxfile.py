@@ -4,6 +4,7 @@
     nox -s "tests(parallel-state)"  # one member's tests, with its workspace deps
     nox -s lint typecheck
     nox -s standalone               # every member's wheel installed alone in a fresh venv
+    nox -s "examples(tp-layers)"    # a member's examples/ run under torchrun, wheel alone
 
 Members are discovered from the root [tool.uv.workspace] globs, so a new package gets its
 sessions without editing this file. torch is pinned to the local CPU wheel where the machine
@@ -13,6 +14,7 @@ has one (see tools/workspace.py).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -33,6 +35,7 @@ nox.options.sessions = ["lint", "tests"]
 MEMBERS = workspace.members()
 FOLDERS = [m.folder for m in MEMBERS.values()]
 BY_FOLDER = {m.folder: m for m in MEMBERS.values()}
+WITH_EXAMPLES = [m.folder for m in MEMBERS.values() if (m.path / "examples").is_dir()]
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
 
 
@@ -95,3 +98,47 @@ def standalone(session: nox.Session, member: str) -> None:
         session.run(
             "pytest", "tests", *PYTEST_ARGS, "-c", os.devnull, "--rootdir", tmp, *session.posargs
         )
+
+
+def _nproc(example: Path) -> int:
+    """The `--nproc-per-node N` of the first torchrun line in the example's docstring, else 2."""
+    match = re.search(r"torchrun[^\n]*--nproc[-_]per[-_]node[= ](\d+)", example.read_text())
+    return int(match.group(1)) if match else 2
+
+
+@nox.session
+@nox.parametrize("member", WITH_EXAMPLES, ids=WITH_EXAMPLES)
+def examples(session: nox.Session, member: str) -> None:
+    """Install this member's wheel alone (only its declared deps) and run each example.
+
+    Only the member and the workspace members it depends on are built. The examples are
+    copied to a temporary folder and launched from there with `torchrun --standalone`, with
+    as many processes as the example's own docstring launches it with; an example checks its
+    own results and exits non-zero when they are wrong.
+    """
+    target = BY_FOLDER[member]
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("uv")
+    for m in [*target.workspace_deps(MEMBERS), target]:
+        session.run("uv", "build", "--wheel", "--out-dir", str(dist), str(m.path), silent=True)
+    install_torch(session)
+    session.install("--find-links", str(dist), target.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        examples_copy = Path(tmp) / "examples"
+        shutil.copytree(target.path / "examples", examples_copy)
+        session.chdir(tmp)
+        scripts = sorted(examples_copy.glob("*.py"))
+        if not scripts:
+            session.error(f"{target.path / 'examples'} holds no *.py example")
+        for script in scripts:
+            nproc = _nproc(script)
+            session.log(f"{script.name}: torchrun --standalone --nproc-per-node {nproc}")
+            session.run(
+                "torchrun",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                str(script),
+                env={"OMP_NUM_THREADS": "1"},
+            )

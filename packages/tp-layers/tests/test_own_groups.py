@@ -25,7 +25,7 @@ def _example():
 def _train_on_own_groups():
     example = _example()
     assert not model_parallel_is_initialized()
-    tp_losses = example.train(example.tp_groups(2))
+    tp_losses = example.check(example.tp_groups(2))  # the example's own checks, as torchrun runs
     solo_losses = example.train(example.tp_groups(1))
     from torch.distributed.device_mesh import init_device_mesh
 
