@@ -1,0 +1,86 @@
+"""pentatron.models: TransformerConfig, layer specs, GPTModel and Hugging Face conversion.
+
+    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8, ...)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=100,
+                     max_sequence_length=128, grid=grid)
+    loss = model(input_ids, position_ids, labels=labels)   # [b, s]
+
+Conversion to and from Hugging Face Llama lives in `pentatron.models.hf`.
+"""
+
+from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
+from .config import ModelConfigError, RopeScaling, TransformerConfig
+from .counting import (
+    flops_per_token,
+    num_floating_point_operations,
+    num_parameters,
+    num_parameters_in_model,
+)
+from .embedding import LanguageModelEmbedding
+from .gpt_model import GPTModel, build_model_chunks
+from .grads import allreduce_tied_embedding_grads, sync_grads
+from .layer_specs import get_gpt_layer_local_spec, get_gpt_layer_te_spec
+from .mlp import MLP, MLPSubmodules
+from .norm import LayerNorm, Norm, RMSNorm
+from .parallel import ModelParallel
+from .rope import RotaryEmbedding, apply_rotary_pos_emb, rope_inv_freq
+from .sharding import (
+    ParamSharding,
+    global_param_name,
+    load_full_state_dict,
+    local_param_name,
+    merge_shards,
+    param_sharding,
+    shard_full_tensor,
+)
+from .spec import ModuleSpec, build_module
+from .te_spec import HAVE_TE
+from .transformer_block import TransformerBlock, get_layer_offset, get_num_layers_to_build
+from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HAVE_TE",
+    "MLP",
+    "DotProductAttention",
+    "GPTModel",
+    "LanguageModelEmbedding",
+    "LayerNorm",
+    "MLPSubmodules",
+    "ModelConfigError",
+    "ModelParallel",
+    "ModuleSpec",
+    "Norm",
+    "ParamSharding",
+    "RMSNorm",
+    "RopeScaling",
+    "RotaryEmbedding",
+    "SelfAttention",
+    "SelfAttentionSubmodules",
+    "TransformerBlock",
+    "TransformerConfig",
+    "TransformerLayer",
+    "TransformerLayerSubmodules",
+    "__version__",
+    "allreduce_tied_embedding_grads",
+    "apply_rotary_pos_emb",
+    "build_model_chunks",
+    "build_module",
+    "flops_per_token",
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_te_spec",
+    "get_layer_offset",
+    "get_num_layers_to_build",
+    "global_param_name",
+    "load_full_state_dict",
+    "local_param_name",
+    "merge_shards",
+    "num_floating_point_operations",
+    "num_parameters",
+    "num_parameters_in_model",
+    "param_sharding",
+    "rope_inv_freq",
+    "shard_full_tensor",
+    "sync_grads",
+]

@@ -1,0 +1,158 @@
+"""Self-attention: fused QKV (column-parallel) -> RoPE -> causal SDPA -> output (row-parallel).
+
+The QKV weight is laid out per query group, as Megatron-LM: for each group g, its
+nq/ng query heads, then k_g, then v_g (`[(nq + 2 ng) d, h]`). A contiguous 1/t of the rows
+is therefore ng/t whole groups, so tensor parallelism splits heads and groups together.
+
+    [s, b, h] (SP: [s/t, b, h]) -> linear_qkv (SP: all-gather(tp)) -> [s, b, (nq+2ng) d / t]
+      -> q [s, b, nq/t, d], k, v [s, b, ng/t, d] -> q/k norm -> RoPE
+      -> core attention (SDPA, k/v repeated to nq/t heads) -> [s, b, nq d / t]
+      -> linear_proj (all-reduce(tp); SP: reduce-scatter(tp)) -> [s, b, h] (SP: [s/t, b, h])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
+
+from .config import TransformerConfig
+from .rope import apply_rotary_pos_emb
+from .spec import build_module
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    linear_qkv: Any = None
+    core_attention: Any = None
+    linear_proj: Any = None
+    q_layernorm: Any = None
+    k_layernorm: Any = None
+
+
+class DotProductAttention(torch.nn.Module):
+    """Causal scaled-dot-product attention over this rank's heads (torch SDPA).
+
+    q `[s, b, nq/t, d]`, k/v `[s, b, ng/t, d]` -> `[s, b, nq d / t]`. `attention_mask`
+    (optional, Megatron's convention): bool, True = masked out, broadcastable to
+    `[b, 1, s, s]`; None means causal. Attention dropout draws from the tracker's
+    model-parallel RNG (each rank's heads differ); under sequence parallelism the whole
+    block already runs inside that fork (see TransformerBlock).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_size: int) -> None:
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.scale = 1.0 / (config.kv_channels**0.5)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
+        s, b = q.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
+        if self.heads_per_group > 1:
+            k = k.repeat_interleave(self.heads_per_group, dim=1)
+            v = v.repeat_interleave(self.heads_per_group, dim=1)
+        p = self.config.attention_dropout if self.training else 0.0
+        mask = None if attention_mask is None else ~attention_mask
+        with self._dropout_rng(p):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, scale=self.scale
+            )
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _dropout_rng(self, p: float) -> Any:
+        import contextlib
+
+        if p == 0.0 or self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        return get_rng_tracker().fork()
+
+
+class SelfAttention(torch.nn.Module):
+    """Megatron's SelfAttention: `forward(x, attention_mask, rotary)` -> `(out, bias)`.
+
+    `linear_proj` skips its bias add so the layer fuses it into bias-dropout-add.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        init_method: Any = None,
+        output_layer_init_method: Any = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        d, sp = config.kv_channels, config.sequence_parallel
+        self.d = d
+        self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            config.hidden_size,
+            qkv_size,
+            tp_group=tp_group,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            init_method=init_method,
+            sequence_parallel=sp,
+            params_dtype=config.params_dtype,
+        )
+        self.core_attention = build_module(
+            submodules.core_attention, config, layer_number=layer_number, tp_size=tp_size
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            config.query_projection_size,
+            config.hidden_size,
+            tp_group=tp_group,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=output_layer_init_method,
+            skip_bias_add=True,
+            sequence_parallel=sp,
+            params_dtype=config.params_dtype,
+        )
+        self.q_layernorm = self._qk_norm(submodules.q_layernorm, tp_size)
+        self.k_layernorm = self._qk_norm(submodules.k_layernorm, tp_size)
+
+    def _qk_norm(self, spec: Any, tp_size: int) -> Any:
+        if spec is None or not self.config.qk_layernorm:
+            return None
+        # Each tp rank normalises different heads with the same weight: its grad is a
+        # partial sum over tp, all-reduced like the sequence-parallel norms (Megatron).
+        return build_module(spec, self.config, self.d, sequence_parallel=tp_size > 1)
+
+    def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`[s, b, (nq+2ng) d / t]` -> q `[s, b, nq/t, d]`, k, v `[s, b, ng/t, d]`."""
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.groups_per_rank, (self.q_per_group + 2) * self.d)
+        q, k, v = torch.split(mixed, [self.q_per_group * self.d, self.d, self.d], dim=3)
+        return q.reshape(s, b, -1, self.d), k, v
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: Any = None, rotary: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`[s, b, h]` (SP: `[s/t, b, h]`) -> (`[s, b, h]` (SP: `[s/t, b, h]`), bias)."""
+        mixed, _ = self.linear_qkv(hidden)
+        q, k, v = self.split_qkv(mixed)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
+        if self.config.recompute_granularity == "selective" and self.training:
+            ctx = checkpoint(self.core_attention, q, k, v, attention_mask)
+        else:
+            ctx = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(ctx)

@@ -1,0 +1,312 @@
+"""`TransformerConfig`: the shape and behaviour of a GPT, with Megatron-LM's field names.
+
+Every field is validated in `__post_init__`, before any process group is touched: a bad
+value raises `ModelConfigError` naming the field, the rule and a fix. The parallel sizes
+(`tensor_model_parallel_size`, ...) must match the grid the model is built on; the layer
+split over the pipeline is checked with `pentatron.pipeline.StageLayout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pentatron.pipeline import PipelineConfigError, StageLayout
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+
+
+class ModelConfigError(ValueError):
+    """A model setting that cannot work; the message names the field, the rule and a fix."""
+
+
+def _fail(field_name: str, value: Any, rule: str, fix: str) -> None:
+    raise ModelConfigError(f"{field_name}={value!r}: the rule: {rule}; fix: {fix}")
+
+
+def _positive_int(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        _fail(name, value, "must be a positive integer", f"set {name} >= 1")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        _fail(name, value, f"one of {allowed}", f"set {name} to one of {allowed}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (Hugging Face `rope_type="llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            _fail("rope_scaling.factor", self.factor, "factor >= 1", "e.g. factor=8.0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            _fail(
+                "rope_scaling.low_freq_factor",
+                self.low_freq_factor,
+                "0 < low_freq_factor < high_freq_factor",
+                "e.g. low_freq_factor=1.0, high_freq_factor=4.0",
+            )
+        _positive_int(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
+        )
+
+
+@dataclass
+class TransformerConfig:
+    """Megatron-LM's TransformerConfig (the dense-GPT subset), validated on construction.
+
+    `activation`: "gelu" (fc1 -> GeLU -> fc2) or "swiglu" (fc1 holds [gate, up];
+    silu(gate) * up -> fc2); `gated_linear_unit` and `activation_func` give Megatron's view.
+    `apply_query_key_layer_scaling` is accepted for compatibility: with SDPA it changes no
+    number (it only rescales inside a fused fp16 softmax in Megatron).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None  # None: = num_attention_heads (MHA)
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: RopeScaling | dict | None = None
+    init_method_std: float = 0.02
+    scaled_output_init: bool = True  # linear_proj / linear_fc2: std / sqrt(2 num_layers)
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    untie_embeddings_and_output_weights: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    params_dtype: torch.dtype = torch.float32
+    fp32_residual_connection: bool = False
+    apply_query_key_layer_scaling: bool = False
+    fp8: str | None = None  # "e4m3" | "hybrid": only with the transformer-engine spec
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size"):
+            _positive_int(name, getattr(self, name), optional=True)
+        self._fill_defaults()
+        self._check_choices()
+        self._check_attention()
+        self._check_tensor_parallel()
+        self._check_rope()
+        self._check_recompute()
+        self._check_pipeline()
+
+    # --- defaults and simple checks ------------------------------------------------------------
+    def _fill_defaults(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                _fail(
+                    "kv_channels",
+                    None,
+                    f"without kv_channels, hidden_size={self.hidden_size} must be divisible "
+                    f"by num_attention_heads={self.num_attention_heads}",
+                    "set kv_channels (the head dim) or change hidden_size",
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+
+    def _check_choices(self) -> None:
+        _choice("normalization", self.normalization, NORMALIZATIONS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        _choice("fp8", self.fp8, (None, "e4m3", "hybrid"))
+        if (
+            not isinstance(self.params_dtype, torch.dtype)
+            or not self.params_dtype.is_floating_point
+        ):
+            _fail(
+                "params_dtype", self.params_dtype, "a floating torch.dtype", "e.g. torch.bfloat16"
+            )
+        for name in ("attention_dropout", "hidden_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                _fail(name, p, "0 <= p < 1", f"e.g. {name}=0.0")
+        if not self.layernorm_epsilon > 0:
+            _fail("layernorm_epsilon", self.layernorm_epsilon, "> 0", "e.g. 1e-5")
+        if not self.init_method_std > 0:
+            _fail("init_method_std", self.init_method_std, "> 0", "e.g. 0.02")
+
+    def _check_attention(self) -> None:
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if heads % groups:
+            _fail(
+                "num_query_groups",
+                groups,
+                f"query groups must divide num_attention_heads={heads} (each group serves "
+                "the same number of query heads)",
+                f"use a divisor of {heads}, e.g. {heads} (MHA) or 1 (MQA)",
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        t = self.tensor_model_parallel_size
+        _positive_int("tensor_model_parallel_size", t)
+        rules = (
+            ("num_attention_heads", self.num_attention_heads, "attention heads are split"),
+            (
+                "num_query_groups",
+                self.num_query_groups,
+                "query groups (k/v heads; Megatron does not replicate them) are split",
+            ),
+            ("ffn_hidden_size", self.ffn_hidden_size, "the MLP's hidden units are split"),
+        )
+        for name, value, what in rules:
+            if value % t:
+                _fail(
+                    name,
+                    value,
+                    f"{what} evenly over tensor_model_parallel_size={t}, so {name} must be a "
+                    "multiple of it",
+                    f"use a tensor_model_parallel_size that divides {value}, or change {name}",
+                )
+
+    def _check_rope(self) -> None:
+        if not 0.0 < self.rotary_percent <= 1.0:
+            _fail("rotary_percent", self.rotary_percent, "0 < rotary_percent <= 1", "e.g. 1.0")
+        if self.position_embedding_type == "rope":
+            if self.rotary_dim % 2:
+                _fail(
+                    "rotary_percent",
+                    self.rotary_percent,
+                    f"kv_channels * rotary_percent = {self.rotary_dim} must be even "
+                    "(rotate-half pairs dimensions)",
+                    "choose rotary_percent so that the rotary dim is even",
+                )
+            if not self.rotary_base > 0:
+                _fail("rotary_base", self.rotary_base, "> 0", "e.g. 10000")
+        elif self.rope_scaling is not None:
+            _fail(
+                "rope_scaling",
+                self.rope_scaling,
+                "RoPE scaling needs position_embedding_type='rope'",
+                "set position_embedding_type='rope' or rope_scaling=None",
+            )
+
+    def _check_recompute(self) -> None:
+        _choice("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        _choice("recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        gran, method, n = (
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+        )
+        if gran == "full":
+            if method is None:
+                _fail(
+                    "recompute_method",
+                    None,
+                    "recompute_granularity='full' needs a method",
+                    "set recompute_method='uniform' (groups of n layers) or 'block' (first n)",
+                )
+            _positive_int("recompute_num_layers", n)
+            if n > self.num_layers:
+                _fail(
+                    "recompute_num_layers",
+                    n,
+                    f"at most num_layers={self.num_layers}",
+                    f"set recompute_num_layers <= {self.num_layers}",
+                )
+        elif gran == "selective":
+            if method is not None or n is not None:
+                _fail(
+                    "recompute_method",
+                    method,
+                    "selective recompute (core attention) takes no method or layer count",
+                    "leave recompute_method and recompute_num_layers unset",
+                )
+        elif method is not None or n is not None:
+            _fail(
+                "recompute_granularity",
+                None,
+                "recompute_method/recompute_num_layers need recompute_granularity='full'",
+                "set recompute_granularity='full' or unset the method and layer count",
+            )
+
+    def _check_pipeline(self) -> None:
+        _positive_int("pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        vpp = self.virtual_pipeline_model_parallel_size
+        _positive_int("virtual_pipeline_model_parallel_size", vpp, optional=True)
+        try:
+            self.stage_layout()
+        except PipelineConfigError as exc:
+            raise ModelConfigError(
+                f"num_layers={self.num_layers} does not fit the pipeline layout "
+                f"(pipeline_model_parallel_size={self.pipeline_model_parallel_size}, "
+                f"virtual_pipeline_model_parallel_size={vpp}): {exc}"
+            ) from None
+
+    # --- derived values ----------------------------------------------------------------------
+    def stage_layout(self) -> StageLayout:
+        """Which layers each (pipeline rank, virtual stage) builds (see pentatron.pipeline)."""
+        return StageLayout(
+            num_layers=self.num_layers,
+            pp=self.pipeline_model_parallel_size,
+            vpp=self.virtual_pipeline_model_parallel_size,
+            first_stage_layers=self.num_layers_in_first_pipeline_stage,
+            last_stage_layers=self.num_layers_in_last_pipeline_stage,
+        )
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Megatron's flag: fc1 produces [gate, up] (SwiGLU)."""
+        return self.activation == "swiglu"
+
+    @property
+    def activation_func(self) -> Any:
+        """The elementwise function applied to fc1's output (to the gate half for SwiGLU)."""
+        return F.silu if self.gated_linear_unit else F.gelu
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims rotated by RoPE: int(kv_channels * rotary_percent)."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.kv_channels * self.num_query_groups
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return not self.untie_embeddings_and_output_weights

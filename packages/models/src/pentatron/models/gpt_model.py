@@ -1,0 +1,247 @@
+"""`GPTModel`: embedding -> TransformerBlock (this chunk's layers) -> final norm -> output
+layer -> vocab-parallel loss, at any tp / sp / pp / vpp layout of a `ProcessGrid`.
+
+Activations inside are `[s, b, h]` (`[s/t, b, h]` with sequence parallelism); a pipeline
+chunk that is not the last stage returns that tensor for the next stage. The last stage
+returns, as Megatron-LM does:
+- without labels: logits `[b, s, V_pad / t]` sharded along the vocabulary over tp
+  (`parallel_output=True`), or `[b, s, V_pad]` all-gathered over tp with
+  `gather_logits=True` (or `parallel_output=False`); take `[..., :model.vocab_size]` for the
+  real vocabulary (rows past it are Megatron's padding);
+- with labels `[b, s]`: the per-token cross-entropy `[b, s]` (fp32), computed on the
+  sharded logits without gathering them.
+
+Tied input/output embeddings (`share_embeddings_and_output_weights`, default: not
+`config.untie_embeddings_and_output_weights`): with one stage the output layer reads
+`embedding.word_embeddings.weight`; with pp > 1 the last stage keeps a copy in
+`output_layer.weight`, set equal to the first stage's at construction (zero-fill +
+all-reduce over the grid's embedding group). Both copies carry `shared_embedding=True`,
+so `sync_grads` (or pentatron.optim's finalize_model_grads) all-reduces their grads over
+the embedding group and an optimizer step keeps them identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pentatron.parallel_state import ProcessGrid, comm
+from pentatron.tp_layers import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    init_method_normal,
+    pad_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+
+from .config import ModelConfigError, TransformerConfig
+from .embedding import LanguageModelEmbedding
+from .parallel import ModelParallel
+from .rope import RotaryEmbedding
+from .transformer_block import TransformerBlock
+
+
+class GPTModel(torch.nn.Module):
+    """Megatron-LM's GPTModel (see the module docstring for inputs, outputs and tying).
+
+    Args:
+        config: the TransformerConfig (its parallel sizes must match `grid`).
+        transformer_layer_spec: e.g. `get_gpt_layer_local_spec()`.
+        vocab_size: the real vocabulary; padded to a multiple of
+            `make_vocab_size_divisible_by * tp` (`padded_vocab_size`).
+        max_sequence_length: rows of the learned position embedding.
+        pre_process / post_process: this chunk holds the embedding / the output layer and
+            loss; None derives them from the grid (first / last virtual stage).
+        grid: the ProcessGrid (None: the default grid, or a single process).
+        vp_stage: the virtual pipeline stage of this chunk (with vpp).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec: Any,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        share_embeddings_and_output_weights: bool | None = None,
+        parallel_output: bool = True,
+        make_vocab_size_divisible_by: int = 128,
+        position_embedding_type: str | None = None,
+        grid: ProcessGrid | None = None,
+        vp_stage: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = par = ModelParallel.resolve(config, grid, vp_stage)
+        chunks = config.virtual_pipeline_model_parallel_size or 1
+        self.pre_process = par.is_first_stage() if pre_process is None else pre_process
+        self.post_process = par.is_last_stage(chunks) if post_process is None else post_process
+        self.vp_stage = vp_stage
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.padded_vocab_size = pad_vocab_size(
+            vocab_size, par.tp_size, make_vocab_size_divisible_by
+        )
+        self.position_embedding_type = position_embedding_type or config.position_embedding_type
+        if share_embeddings_and_output_weights is None:
+            share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.parallel_output = parallel_output
+        self._build(transformer_layer_spec)
+        self._setup_tied_output_weight()
+
+    def _build(self, spec: Any) -> None:
+        config, par = self.config, self.parallel
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config,
+                self.padded_vocab_size,
+                self.max_sequence_length,
+                self.position_embedding_type,
+                tp_group=par.tp_group,
+            )
+        if self.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config)
+        self.decoder = TransformerBlock(
+            config,
+            spec,
+            pp_rank=par.pp_rank,
+            vp_stage=self.vp_stage,
+            post_layer_norm=self.post_process,
+            tp_group=par.tp_group,
+            tp_size=par.tp_size,
+        )
+        if self.post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                self.padded_vocab_size,
+                tp_group=par.tp_group,
+                bias=False,
+                init_method=init_method_normal(config.init_method_std),
+                skip_weight_param_allocation=self.pre_process
+                and self.share_embeddings_and_output_weights,
+                sequence_parallel=config.sequence_parallel,
+                params_dtype=config.params_dtype,
+            )
+
+    def _setup_tied_output_weight(self) -> None:
+        """Mark the tied copies and make the last stage's copy equal the first stage's."""
+        if not self.share_embeddings_and_output_weights:
+            return
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if self.post_process and not self.pre_process:
+            if self.parallel.pp_rank == 0:
+                raise ModelConfigError(
+                    "post_process=True, pre_process=False on pipeline rank 0 with tied "
+                    "embeddings: the rule: the output layer's tied copy lives on the last "
+                    "stage; fix: leave pre_process/post_process as None"
+                )
+            weight = self.output_layer.weight
+            weight.shared_embedding, weight.shared = True, True
+            with torch.no_grad():
+                weight.fill_(0.0)
+        if self.pre_process != self.post_process:
+            group = self.parallel.embedding_group()
+            if group is not None:
+                comm.all_reduce(self.shared_embedding_or_output_weight().data, group=group)
+
+    # --- pipeline interface --------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Input of a chunk that is not the first stage: `[tensor]` `[s, b, h]` (SP: s/t)."""
+        if not isinstance(input_tensor, (list, tuple)):
+            input_tensor = [input_tensor]
+        if len(input_tensor) != 1:
+            raise ValueError(f"set_input_tensor takes one tensor, got {len(input_tensor)}")
+        self.decoder.set_input_tensor(input_tensor[0])
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    @property
+    def layer_offset(self) -> int:
+        """Global 0-based index of this chunk's first layer (`decoder.layers.{i}` is
+        global layer `layer_offset + i`)."""
+        return self.decoder.layer_offset
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        gather_logits: bool | None = None,
+    ) -> torch.Tensor:
+        """ids `[b, s]` -> hidden `[s(/t), b, h]` | logits `[b, s, V_pad(/t)]` | loss `[b, s]`.
+
+        `attention_mask`: None (causal) or bool, True = masked out, broadcastable to
+        `[b, 1, s, s]`. `gather_logits` (default `not parallel_output`): all-gather the
+        logits over tp to `[b, s, V_pad]`.
+        """
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        rotary = None
+        if self.position_embedding_type == "rope":
+            s = self._seq_len(input_ids, position_ids)
+            rotary = self.rotary_pos_emb(position_ids, s, device=self._device())
+        hidden = self.decoder(hidden, attention_mask, rotary)
+        if not self.post_process:
+            return hidden
+        weight = None
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            weight = self.embedding.word_embeddings.weight
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad / t]
+        if labels is None:
+            logits = logits.transpose(0, 1).contiguous()
+            gather = (not self.parallel_output) if gather_logits is None else gather_logits
+            if gather and self.parallel.tp_size > 1:
+                logits = gather_from_tensor_model_parallel_region(logits, self.parallel.tp_group)
+            return logits
+        loss = vocab_parallel_cross_entropy(
+            logits.float(), labels.transpose(0, 1).contiguous(), self.parallel.tp_group
+        )
+        return loss.transpose(0, 1).contiguous()
+
+    def _seq_len(self, input_ids: Any, position_ids: Any) -> int:
+        if position_ids is not None:
+            return position_ids.size(-1)
+        if input_ids is not None:
+            return input_ids.size(-1)
+        t = self.decoder.input_tensor
+        if t is None:
+            raise ValueError("GPTModel.forward: no input_ids, position_ids or input tensor")
+        return t.size(0) * (self.parallel.tp_size if self.config.sequence_parallel else 1)
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
+
+def build_model_chunks(
+    config: TransformerConfig,
+    transformer_layer_spec: Any,
+    vocab_size: int,
+    max_sequence_length: int,
+    grid: ProcessGrid | None = None,
+    **kwargs: Any,
+) -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel per virtual stage (one without vpp)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    return [
+        GPTModel(
+            config,
+            transformer_layer_spec,
+            vocab_size,
+            max_sequence_length,
+            grid=grid,
+            vp_stage=stage,
+            **kwargs,
+        )
+        for stage in stages
+    ]

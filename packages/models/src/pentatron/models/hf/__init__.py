@@ -1,0 +1,34 @@
+"""pentatron.models.hf: Hugging Face Llama <-> GPTModel (config, weights, sharded load, CLI).
+
+    model = from_hf(LlamaForCausalLM.from_pretrained(path))        # one process
+    model = load_hf_checkpoint_shard(path, grid)                    # this rank's shard only
+    hf_state_dict = to_hf(model)                                    # tp shards gathered
+    config, vocab_size, max_seq_len, extras = config_from_hf(hf_config)
+    hf_config = config_to_hf(config, vocab_size, max_seq_len, extras)
+
+transformers is imported only by `config_to_hf` (and by nothing else here): converting a
+safetensors checkpoint directory works without it. CLI: `pentatron-convert` (see cli.py).
+"""
+
+from .config_map import HFConfigError, config_from_hf, config_to_hf, config_to_hf_dict
+from .convert import from_hf, hf_shard_state_dict, load_from_source, load_hf_checkpoint_shard, to_hf
+from .safetensors_io import SafetensorsDirSource
+from .state_map import DictSource, TensorSource, chunk_param_names, full_to_hf, read_shard
+
+__all__ = [
+    "DictSource",
+    "HFConfigError",
+    "SafetensorsDirSource",
+    "TensorSource",
+    "chunk_param_names",
+    "config_from_hf",
+    "config_to_hf",
+    "config_to_hf_dict",
+    "from_hf",
+    "full_to_hf",
+    "hf_shard_state_dict",
+    "load_from_source",
+    "load_hf_checkpoint_shard",
+    "read_shard",
+    "to_hf",
+]

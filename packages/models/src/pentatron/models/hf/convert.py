@@ -1,0 +1,232 @@
+"""`from_hf`, `to_hf` and the sharded load of a Hugging Face Llama checkpoint.
+
+    from_hf(hf_model) -> GPTModel          every parameter copied from the HF tensors
+    to_hf(model) -> {hf_name: tensor}      tp shards all-gathered (tp group), padding dropped
+    load_hf_checkpoint_shard(dir, grid)    this rank's chunk, reading only its slices
+    hf_shard_state_dict(source, ...)       the same tensors for any (tp, pp) rank, no groups
+
+Pipeline parallelism: each chunk maps only its own layers (global indices), the first stage
+the embedding, the last stage the final norm and output layer. `to_hf` of a pipeline rank
+returns that rank's part of the HF state dict; the parts of all stages are disjoint (tied
+`lm_head.weight` may come from both ends with equal values), so the full dict is their
+union (`pentatron-to-hf` builds it from the per-rank files).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from pentatron.parallel_state import (
+    ProcessGrid,
+    comm,
+    get_default_grid,
+    model_parallel_is_initialized,
+)
+from pentatron.tp_layers import pad_vocab_size
+
+from ..config import TransformerConfig
+from ..gpt_model import GPTModel
+from ..layer_specs import get_gpt_layer_local_spec
+from ..sharding import global_param_name, merge_shards
+from ..transformer_block import get_layer_offset, get_num_layers_to_build
+from .config_map import config_from_hf
+from .safetensors_io import SafetensorsDirSource, read_json
+from .state_map import DictSource, TensorSource, chunk_param_names, full_to_hf, read_shard
+
+
+def _grid(grid: ProcessGrid | None) -> ProcessGrid | None:
+    if grid is None and model_parallel_is_initialized():
+        return get_default_grid()
+    return grid
+
+
+def _sizes(grid: ProcessGrid | None) -> dict[str, Any]:
+    if grid is None:
+        return {}
+    return {
+        "tensor_model_parallel_size": grid.size("tp"),
+        "pipeline_model_parallel_size": grid.size("pp"),
+        "virtual_pipeline_model_parallel_size": grid.layout.vpp,
+    }
+
+
+@torch.no_grad()
+def load_from_source(model: GPTModel, src: TensorSource) -> None:
+    """Fill every parameter of `model` (one chunk, any tp rank) from HF tensors in `src`."""
+    par = model.parallel
+    for local, param in model.state_dict(keep_vars=True).items():
+        name = global_param_name(local, model.layer_offset)
+        part = read_shard(
+            name,
+            src,
+            model.config,
+            tp_rank=par.tp_rank,
+            tp_size=par.tp_size,
+            vocab_size=model.vocab_size,
+            padded_vocab_size=model.padded_vocab_size,
+        )
+        if part.shape != param.shape:
+            raise ValueError(
+                f"{local}: the Hugging Face tensors give shape {tuple(part.shape)}, the model "
+                f"has {tuple(param.shape)}; fix: check config.json against the checkpoint"
+            )
+        param.copy_(part)
+
+
+def _build(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_seq_len: int,
+    grid: ProcessGrid | None,
+    vp_stage: int | None,
+    spec: Any,
+    make_vocab_size_divisible_by: int,
+) -> GPTModel:
+    return GPTModel(
+        config,
+        spec or get_gpt_layer_local_spec(),
+        vocab_size,
+        max_seq_len,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        grid=grid,
+        vp_stage=vp_stage,
+    )
+
+
+def from_hf(
+    hf: Any,
+    hf_config: Any = None,
+    *,
+    grid: ProcessGrid | None = None,
+    vp_stage: int | None = None,
+    spec: Any = None,
+    make_vocab_size_divisible_by: int = 128,
+    params_dtype: torch.dtype | None = None,
+    **config_overrides: Any,
+) -> GPTModel:
+    """A GPTModel with the weights of `hf` (a LlamaForCausalLM, or its state dict + config).
+
+    Single process by default; with `grid` (or a default grid) it builds this rank's chunk
+    from the in-memory HF tensors (every rank then holds the HF model: use
+    `load_hf_checkpoint_shard` to avoid that). `config_overrides` go to `config_from_hf`.
+    """
+    if isinstance(hf, dict):
+        if hf_config is None:
+            raise ValueError("from_hf(state_dict) needs hf_config (a LlamaConfig or its dict)")
+        state_dict = hf
+    else:
+        hf_config = hf.config if hf_config is None else hf_config
+        state_dict = hf.state_dict()
+    grid = _grid(grid)
+    config, vocab, max_seq, _ = config_from_hf(
+        hf_config, params_dtype=params_dtype, **_sizes(grid), **config_overrides
+    )
+    model = _build(config, vocab, max_seq, grid, vp_stage, spec, make_vocab_size_divisible_by)
+    load_from_source(model, DictSource(state_dict))
+    return model
+
+
+def load_hf_checkpoint_shard(
+    path: str | os.PathLike,
+    grid: ProcessGrid | None = None,
+    *,
+    vp_stage: int | None = None,
+    spec: Any = None,
+    make_vocab_size_divisible_by: int = 128,
+    params_dtype: torch.dtype | None = None,
+    **config_overrides: Any,
+) -> GPTModel:
+    """This rank's GPTModel chunk from a HF Llama safetensors directory (config.json + weights).
+
+    Reads only the tensors of this chunk's layers and, of those, only this tp rank's rows or
+    columns (`safe_open(...).get_slice`); no rank materialises the full model. The layout
+    comes from `grid` (None: the default grid, else one process). With vpp, call once per
+    `vp_stage`. transformers is not needed.
+    """
+    grid = _grid(grid)
+    hf_config = read_json(os.path.join(path, "config.json"))
+    config, vocab, max_seq, _ = config_from_hf(
+        hf_config, params_dtype=params_dtype, **_sizes(grid), **config_overrides
+    )
+    model = _build(config, vocab, max_seq, grid, vp_stage, spec, make_vocab_size_divisible_by)
+    with SafetensorsDirSource(path) as src:
+        load_from_source(model, src)
+    return model
+
+
+def stage_flags(config: TransformerConfig, pp_rank: int, vp_stage: int | None) -> tuple[bool, bool]:
+    """(pre_process, post_process) of chunk `vp_stage` of pipeline rank `pp_rank`."""
+    chunks = config.virtual_pipeline_model_parallel_size or 1
+    chunk = vp_stage or 0
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == config.pipeline_model_parallel_size - 1 and chunk == chunks - 1
+    return first, last
+
+
+def hf_shard_state_dict(
+    src: TensorSource,
+    config: TransformerConfig,
+    vocab_size: int,
+    *,
+    tp_rank: int,
+    pp_rank: int,
+    vp_stage: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+) -> dict[str, torch.Tensor]:
+    """The state dict (local names) of GPTModel chunk (tp_rank, pp_rank, vp_stage) of
+    `config`'s layout, read from HF tensors; needs no process group (used by the CLI)."""
+    tp = config.tensor_model_parallel_size
+    padded = pad_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
+    pre, post = stage_flags(config, pp_rank, vp_stage)
+    offset = get_layer_offset(config, pp_rank, vp_stage)
+    names = chunk_param_names(
+        config,
+        pre_process=pre,
+        post_process=post,
+        layer_offset=offset,
+        num_layers=get_num_layers_to_build(config, pp_rank, vp_stage),
+    )
+    out = {}
+    for local in names:
+        out[local] = read_shard(
+            global_param_name(local, offset),
+            src,
+            config,
+            tp_rank=tp_rank,
+            tp_size=tp,
+            vocab_size=vocab_size,
+            padded_vocab_size=padded,
+        ).clone()
+    return out
+
+
+def _gather_tp(name: str, t: torch.Tensor, model: GPTModel) -> torch.Tensor:
+    par = model.parallel
+    if par.tp_size == 1:
+        return t
+    shards = [torch.empty_like(t) for _ in range(par.tp_size)]
+    comm.all_gather(shards, t.contiguous(), group=par.tp_group)
+    return merge_shards(name, shards, config=model.config)
+
+
+@torch.no_grad()
+def to_hf(model: GPTModel | list[GPTModel]) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of `model` (a chunk, or this rank's list of chunks).
+
+    Tensor-parallel shards are all-gathered over tp (`[.../t]` -> all-gather(tp) -> full),
+    so every tp rank returns the same dict. With pp > 1 it holds this rank's layers only
+    (see the module docstring). Tied embeddings give `lm_head.weight` equal to
+    `model.embed_tokens.weight`, as `LlamaForCausalLM.state_dict()` does.
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    out: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        full = {
+            global_param_name(local, chunk.layer_offset): _gather_tp(local, t, chunk)
+            for local, t in chunk.state_dict().items()
+        }
+        out.update(full_to_hf(full, chunk.config, chunk.vocab_size))
+    return out

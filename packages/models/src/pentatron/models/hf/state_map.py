@@ -1,0 +1,248 @@
+"""Hugging Face Llama tensors <-> GPTModel parameters, as pure functions of the config.
+
+Global layer i (HF `model.layers.{i}`, ours `decoder.layers.{i}` of the full model):
+
+    ours                                          Hugging Face
+    embedding.word_embeddings.weight  [Vp, h]     model.embed_tokens.weight [V, h] (+ zero rows)
+    ...input_layernorm.weight                     ...input_layernorm.weight
+    ...self_attention.linear_qkv.{weight,bias}    ...self_attn.{q,k,v}_proj (per query group)
+    ...self_attention.linear_proj.{weight,bias}   ...self_attn.o_proj
+    ...pre_mlp_layernorm.weight                   ...post_attention_layernorm.weight
+    ...mlp.linear_fc1.{weight,bias}               cat([...mlp.gate_proj, ...mlp.up_proj])
+    ...mlp.linear_fc2.{weight,bias}               ...mlp.down_proj
+    decoder.final_layernorm.weight                model.norm.weight
+    output_layer.weight               [Vp, h]     lm_head.weight (tied: model.embed_tokens.weight)
+
+QKV is laid out per query group g: its nq/ng query heads, then k_g, then v_g, so rows of
+group g are `q[g*qpg*d:(g+1)*qpg*d], k[g*d:(g+1)*d], v[g*d:(g+1)*d]` (HF's grouped
+attention repeats kv head g for query heads g*qpg ... (g+1)*qpg-1, the same grouping).
+RoPE is rotate-half on both sides, so q/k rows map without permutation.
+
+`read_shard` builds tp rank r's part of one parameter straight from the HF tensors, reading
+only the rows/columns that rank owns (`TensorSource.read` slices; a safetensors source reads
+just that slice from disk). `full_to_hf` is the inverse on full (tp=1) tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+import torch
+
+from ..config import TransformerConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Our per-layer suffix -> HF per-layer suffix (the one-to-one tensors).
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
+}
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+EMBED, LM_HEAD, FINAL_NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+
+
+class TensorSource(Protocol):
+    """Read access to named HF tensors, optionally one slice `[start, stop)` along `dim`."""
+
+    def keys(self) -> set[str]: ...
+
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor: ...
+
+
+class DictSource:
+    """A `TensorSource` over an in-memory state dict (slices are views)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.state_dict = state_dict
+
+    def keys(self) -> set[str]:
+        return set(self.state_dict)
+
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        t = _get(self.state_dict, name)
+        if dim is None:
+            return t
+        stop = t.size(dim) if stop is None else stop
+        return t.narrow(dim, start, stop - start)
+
+
+def _get(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state_dict:
+        raise KeyError(
+            f"Hugging Face state dict has no {name!r}; the rule: a LlamaForCausalLM "
+            "checkpoint matching the config; fix: check the checkpoint and its config.json"
+        )
+    return state_dict[name]
+
+
+def _part(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    if total % size:
+        raise ValueError(f"{what}={total} does not split over tp={size}")
+    per = total // size
+    return rank * per, (rank + 1) * per
+
+
+def hf_names_for(name: str, config: TransformerConfig) -> list[str]:
+    """The HF tensors parameter `name` (global layer index) is built from."""
+    if name == "embedding.word_embeddings.weight":
+        return [EMBED]
+    if name == "output_layer.weight":
+        return [EMBED] if config.share_embeddings_and_output_weights else [LM_HEAD]
+    if name == "decoder.final_layernorm.weight":
+        return [FINAL_NORM]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"{name!r}: no Hugging Face Llama counterpart")
+    layer, suffix = m.group(1), m.group(2)
+    pre = f"model.layers.{layer}."
+    if suffix in _LAYER_DIRECT:
+        return [pre + _LAYER_DIRECT[suffix]]
+    kind = suffix.rsplit(".", 1)[-1]
+    if suffix.startswith("self_attention.linear_qkv."):
+        return [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
+    if suffix.startswith("mlp.linear_fc1."):
+        return [f"{pre}mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+    raise KeyError(f"{name!r}: no Hugging Face Llama counterpart")
+
+
+def read_shard(
+    name: str,
+    src: TensorSource,
+    config: TransformerConfig,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vocab_size: int,
+    padded_vocab_size: int,
+) -> torch.Tensor:
+    """Tp rank `tp_rank`'s part of our parameter `name` (global layer index), read from HF.
+
+    Shapes (d = kv_channels, qpg = nq/ng, f = ffn_hidden_size, t = tp_size):
+    vocab `[Vp/t, h]` (rows past V are zeros), qkv `[(nq+2ng) d / t, h]`,
+    fc1 `[2f/t, h]` = cat([gate_r, up_r]), proj `[h, nq d / t]`, fc2 `[h, f/t]`, norms full.
+    """
+    hf = hf_names_for(name, config)
+    suffix = _LAYER.match(name).group(2) if _LAYER.match(name) else name
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        start, stop = _part(padded_vocab_size, tp_rank, tp_size, "padded_vocab_size")
+        rows = src.read(hf[0], 0, min(start, vocab_size), min(stop, vocab_size))
+        if rows.size(0) < stop - start:
+            pad = rows.new_zeros((stop - start - rows.size(0), *rows.shape[1:]))
+            rows = torch.cat([rows, pad], 0)
+        return rows
+    if suffix.startswith("self_attention.linear_qkv."):
+        d, qpg = config.kv_channels, config.num_attention_heads // config.num_query_groups
+        g0, g1 = _part(config.num_query_groups, tp_rank, tp_size, "num_query_groups")
+        n = g1 - g0
+        q = src.read(hf[0], 0, g0 * qpg * d, g1 * qpg * d)
+        k = src.read(hf[1], 0, g0 * d, g1 * d)
+        v = src.read(hf[2], 0, g0 * d, g1 * d)
+        rest = q.shape[1:]
+        fused = torch.cat(
+            [q.reshape(n, qpg * d, *rest), k.reshape(n, d, *rest), v.reshape(n, d, *rest)], 1
+        )
+        return fused.reshape(n * (qpg + 2) * d, *rest)
+    if suffix.startswith("mlp.linear_fc1."):
+        start, stop = _part(config.ffn_hidden_size, tp_rank, tp_size, "ffn_hidden_size")
+        return torch.cat([src.read(h, 0, start, stop) for h in hf], 0)
+    if suffix in _ROW_PARALLEL:
+        if tp_size == 1:
+            return src.read(hf[0])
+        cols = config.query_projection_size if "linear_proj" in suffix else config.ffn_hidden_size
+        start, stop = _part(cols, tp_rank, tp_size, f"{hf[0]} columns")
+        return src.read(hf[0], 1, start, stop)
+    return src.read(hf[0])
+
+
+def full_to_hf(
+    full: dict[str, torch.Tensor], config: TransformerConfig, vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """Full (tp=1) tensors with global layer names -> HF tensors (padding rows dropped).
+
+    Takes any subset (e.g. one pipeline stage's). Tied: `output_layer.weight`, if present,
+    gives `lm_head.weight` too, as `LlamaForCausalLM.state_dict()` lists it.
+    """
+    out: dict[str, torch.Tensor] = {}
+    d, qpg = config.kv_channels, config.num_attention_heads // config.num_query_groups
+    ng = config.num_query_groups
+    for name, t in full.items():
+        if name == "embedding.word_embeddings.weight":
+            out[EMBED] = t[:vocab_size]
+            if config.share_embeddings_and_output_weights:
+                out[LM_HEAD] = out[EMBED]
+            continue
+        if name == "output_layer.weight":
+            out[LM_HEAD] = t[:vocab_size]
+            continue
+        hf = hf_names_for(name, config)
+        suffix = _LAYER.match(name).group(2) if _LAYER.match(name) else name
+        if suffix.startswith("self_attention.linear_qkv."):
+            rest = t.shape[1:]
+            grouped = t.reshape(ng, (qpg + 2) * d, *rest)
+            q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)
+            for key, part in zip(hf, (q, k, v)):
+                out[key] = part.reshape(-1, *rest)
+        elif suffix.startswith("mlp.linear_fc1."):
+            gate, up = torch.chunk(t, 2, dim=0)
+            out[hf[0]], out[hf[1]] = gate, up
+        else:
+            out[hf[0]] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def chunk_param_names(
+    config: TransformerConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    layer_offset: int,
+    num_layers: int,
+) -> list[str]:
+    """Local state-dict names of one GPTModel chunk of a Llama-shaped config.
+
+    (Checked against `GPTModel.state_dict()` in the tests; used where no model is built,
+    e.g. by the converter CLI.)
+    """
+    del layer_offset  # names are local; kept for symmetry with global_param_name
+    bias = config.add_bias_linear
+    per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
+    if bias or config.add_qkv_bias:
+        per_layer.append("self_attention.linear_qkv.bias")
+    per_layer.append("self_attention.linear_proj.weight")
+    if bias:
+        per_layer.append("self_attention.linear_proj.bias")
+    per_layer += ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight"]
+    if bias:
+        per_layer.append("mlp.linear_fc1.bias")
+    per_layer.append("mlp.linear_fc2.weight")
+    if bias:
+        per_layer.append("mlp.linear_fc2.bias")
+    names = ["embedding.word_embeddings.weight"] if pre_process else []
+    names += [f"decoder.layers.{i}.{s}" for i in range(num_layers) for s in per_layer]
+    if post_process:
+        names.append("decoder.final_layernorm.weight")
+        tied_here = pre_process and config.share_embeddings_and_output_weights
+        if not tied_here:
+            names.append("output_layer.weight")
+    return names
+
+
+def hf_keys_expected(config: TransformerConfig) -> list[str]:
+    """Every tensor a LlamaForCausalLM checkpoint of `config` holds (tied: no lm_head)."""
+    names = chunk_param_names(
+        config, pre_process=True, post_process=True, layer_offset=0, num_layers=config.num_layers
+    )
+    keys: list[str] = []
+    for n in names:
+        keys += hf_names_for(n, config)
+    return list(dict.fromkeys(keys))

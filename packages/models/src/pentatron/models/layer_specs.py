@@ -1,0 +1,55 @@
+"""Layer specs for GPT: the local one (PyTorch + tp-layers) and the transformer-engine one.
+
+`get_gpt_layer_local_spec()` works everywhere. `get_gpt_layer_te_spec()` needs
+transformer-engine (see `te_spec.py`) and raises `ModelConfigError` naming the fix when it
+is missing. Both build the same parameter names (Megatron's local-spec names).
+"""
+
+from __future__ import annotations
+
+from pentatron.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
+from .mlp import MLP, MLPSubmodules
+from .norm import Norm
+from .spec import ModuleSpec
+from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+def get_gpt_layer_local_spec(qk_layernorm: bool = True) -> ModuleSpec:
+    """Spec of one GPT layer from PyTorch and tp-layers modules.
+
+    `qk_layernorm=False` removes the q/k norms from the spec; with True they are built
+    only when `config.qk_layernorm` is set.
+    """
+    qk_norm = Norm if qk_layernorm else None
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            pre_mlp_layernorm=Norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                ),
+            ),
+        ),
+    )
+
+
+def get_gpt_layer_te_spec(qk_layernorm: bool = True) -> ModuleSpec:
+    """The transformer-engine spec (TE norms and linears, FP8 autocast when `config.fp8`)."""
+    from .te_spec import te_layer_spec
+
+    return te_layer_spec(qk_layernorm)

@@ -1,0 +1,66 @@
+"""Normalisations: LayerNorm or RMSNorm, chosen by `config.normalization`.
+
+Both compute in fp32 and return the input dtype (or `params_dtype` with
+`fp32_residual_connection`, where the residual stream is fp32 but the layers are not).
+Shapes are unchanged: `[s, b, h]` (or `[s/t, b, h]` with sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pentatron.parallel_state import current_device
+
+from .config import TransformerConfig
+
+
+class RMSNorm(torch.nn.Module):
+    """`x / sqrt(mean(x^2) + eps) * weight` (Hugging Face Llama's order of casts)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device or current_device())
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = self.weight.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(out_dtype)
+
+
+class LayerNorm(torch.nn.Module):
+    """`torch.nn.functional.layer_norm` with weight and bias, computed in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        device = device or current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.weight.numel(),)
+        out = F.layer_norm(
+            x.to(torch.float32), shape, self.weight.float(), self.bias.float(), self.eps
+        )
+        return out.to(self.weight.dtype)
+
+
+def Norm(
+    config: TransformerConfig, hidden_size: int, eps: float | None = None, sequence_parallel=None
+) -> torch.nn.Module:
+    """The norm of `config.normalization` over the last dim of size `hidden_size`.
+
+    `sequence_parallel` (default `config.sequence_parallel`) marks its parameters so their
+    tp-partial grads are all-reduced (`sync_sequence_parallel_grads` / finalize_model_grads).
+    """
+    cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    norm = cls(hidden_size, config.layernorm_epsilon if eps is None else eps, config.params_dtype)
+    sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    for p in norm.parameters():
+        p.sequence_parallel = bool(sp)
+    return norm

@@ -1,0 +1,168 @@
+"""How each GPT parameter is split over tensor parallelism, in one place.
+
+Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
+
+| parameter (suffix)                           | split              | rank r's part            |
+|----------------------------------------------|--------------------|--------------------------|
+| embedding.word_embeddings.weight [V_pad, h]  | dim 0 (vocab)      | rows r V_pad/t ...       |
+| output_layer.weight [V_pad, h]               | dim 0 (vocab)      | same rows                |
+| self_attention.linear_qkv.weight/.bias       | dim 0, contiguous  | query groups r ng/t ...  |
+| mlp.linear_fc1.weight/.bias (gelu)           | dim 0, contiguous  | rows r ffn/t ...         |
+| mlp.linear_fc1.weight/.bias (swiglu)         | dim 0, stride 2    | cat([gate_r, up_r])      |
+| self_attention.linear_proj.weight [h, nq d]  | dim 1              | columns r nq d/t ...     |
+| mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
+| norms, position embeddings, row biases       | replicated         | the full tensor          |
+
+The vocabulary is padded to `padded_vocab_size` (a multiple of
+make_vocab_size_divisible_by * t) before splitting; `shard_full_tensor` pads an unpadded
+`[V, h]` table with zero rows and `merge_shards(vocab_size=V)` drops them again.
+
+Layer indices: a chunk's state dict uses local indices (`decoder.layers.{i}`); global
+layer = `model.layer_offset + i` (`global_param_name` / `local_param_name`). With tied
+embeddings and pp > 1 the last stage holds `output_layer.weight`, a copy of
+`embedding.word_embeddings.weight` (shard it like that one); with one stage it is absent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pentatron.tp_layers import shard_of
+
+from .config import TransformerConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
+_COLUMN = re.compile(r"\.(linear_qkv|linear_fc1)\.(weight|bias)$")
+_ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
+_REPLICATED = re.compile(
+    r"(layernorm\.(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias)$"
+)
+
+
+@dataclass(frozen=True)
+class ParamSharding:
+    """`dim`: the split dim (None: replicated); `stride`: fused blocks; `vocab`: padded rows."""
+
+    dim: int | None
+    stride: int = 1
+    vocab: bool = False
+
+
+def param_sharding(name: str, config: TransformerConfig) -> ParamSharding:
+    """The tp split of parameter `name` (local or global name; see the module table)."""
+    if _VOCAB.search(name):
+        return ParamSharding(0, 1, vocab=True)
+    column = _COLUMN.search(name)
+    if column:
+        gated = column.group(1) == "linear_fc1" and config.gated_linear_unit
+        return ParamSharding(0, 2 if gated else 1)
+    if _ROW.search(name):
+        return ParamSharding(1)
+    if _REPLICATED.search(name):
+        return ParamSharding(None)
+    raise KeyError(
+        f"{name!r} is not a GPT parameter name this helper knows; the rule: Megatron "
+        "local-spec names (see pentatron.models.sharding); fix: check the name"
+    )
+
+
+def _pad_rows(full: torch.Tensor, rows: int | None) -> torch.Tensor:
+    if rows is None or full.size(0) == rows:
+        return full
+    if full.size(0) > rows:
+        raise ValueError(f"vocabulary of {full.size(0)} rows exceeds padded_vocab_size={rows}")
+    pad = full.new_zeros((rows - full.size(0), *full.shape[1:]))
+    return torch.cat([full, pad], dim=0)
+
+
+def shard_full_tensor(
+    name: str,
+    full: torch.Tensor,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    config: TransformerConfig,
+    padded_vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Tp rank `tp_rank`'s part of the full (tp=1) tensor `full` of parameter `name`."""
+    rule = param_sharding(name, config)
+    if rule.vocab:
+        full = _pad_rows(full, padded_vocab_size)
+    if rule.dim is None or tp_size == 1:
+        return full.clone()
+    return shard_of(full, rule.dim, tp_rank, tp_size, rule.stride).clone()
+
+
+def merge_shards(
+    name: str,
+    shards: list[torch.Tensor],
+    *,
+    config: TransformerConfig,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """The full tensor from the shards of tp ranks 0..t-1 (inverse of `shard_full_tensor`).
+
+    `vocab_size` drops the padding rows of vocabulary tensors.
+    """
+    rule = param_sharding(name, config)
+    if rule.dim is None or len(shards) == 1:
+        full = shards[0].clone()
+    else:
+        blocks = [torch.chunk(s, rule.stride, dim=rule.dim) for s in shards]
+        full = torch.cat(
+            [blocks[r][b] for b in range(rule.stride) for r in range(len(shards))], dim=rule.dim
+        )
+    if rule.vocab and vocab_size is not None:
+        full = full[:vocab_size]
+    return full
+
+
+def global_param_name(name: str, layer_offset: int) -> str:
+    """`decoder.layers.{i}.x` of a chunk -> `decoder.layers.{layer_offset + i}.x`."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def local_param_name(name: str, layer_offset: int) -> str:
+    """Inverse of `global_param_name` (the caller knows the layer is in this chunk)."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - layer_offset}.", name)
+
+
+def full_tensor_for(model: Any, local_name: str, full_state_dict: dict) -> torch.Tensor:
+    """The full tensor of one local parameter of `model` in a global full state dict."""
+    name = global_param_name(local_name, model.layer_offset)
+    if name not in full_state_dict and name == "output_layer.weight":
+        name = "embedding.word_embeddings.weight"  # tied: the last stage's copy
+    if name not in full_state_dict:
+        raise KeyError(f"full state dict has no {name!r} (for {local_name!r} of this chunk)")
+    return full_state_dict[name]
+
+
+@torch.no_grad()
+def load_full_state_dict(model: Any, full_state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy this chunk's tp shards out of a full (tp=1, global names) state dict.
+
+    Vocabulary tensors may be unpadded `[V, h]` (zero rows are added). Every parameter of
+    `model` must be found; extra entries (other chunks' layers) are ignored.
+    """
+    par = model.parallel
+    for local, param in model.state_dict(keep_vars=True).items():
+        full = full_tensor_for(model, local, full_state_dict)
+        part = shard_full_tensor(
+            local,
+            full,
+            par.tp_rank,
+            par.tp_size,
+            config=model.config,
+            padded_vocab_size=model.padded_vocab_size,
+        )
+        if part.shape != param.shape:
+            raise ValueError(
+                f"{local}: shard of the full tensor has shape {tuple(part.shape)}, the model's "
+                f"parameter {tuple(param.shape)}; fix: check the config against the checkpoint"
+            )
+        param.copy_(part)

@@ -1,0 +1,50 @@
+"""Bad input fails at construction with a message naming the field, the rule and a fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from pentatron.models import HAVE_TE, ModelConfigError, TransformerConfig, get_gpt_layer_te_spec
+
+BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=8)
+
+CASES = [
+    (dict(tensor_model_parallel_size=3), "num_attention_heads=8"),
+    (dict(num_query_groups=3), "num_query_groups=3"),
+    (dict(num_query_groups=2, tensor_model_parallel_size=4), "num_query_groups=2"),
+    (dict(pipeline_model_parallel_size=3), "num_layers=4 does not fit"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), "num_layers=4"),
+    (dict(ffn_hidden_size=66, tensor_model_parallel_size=4), "ffn_hidden_size=66"),
+    (dict(normalization="BatchNorm"), "normalization='BatchNorm'"),
+    (dict(activation="relu"), "activation='relu'"),
+    (dict(position_embedding_type="alibi"), "position_embedding_type='alibi'"),
+    (dict(rope_scaling={"factor": 8.0}), "rope_scaling="),
+    (dict(recompute_granularity="full"), "recompute_method=None"),
+    (dict(recompute_granularity="selective", recompute_num_layers=1), "recompute_method"),
+    (dict(recompute_method="uniform"), "recompute_granularity=None"),
+    (dict(hidden_dropout=1.0), "hidden_dropout=1.0"),
+    (dict(hidden_size=60, num_attention_heads=8), "kv_channels"),
+    (dict(position_embedding_type="rope", kv_channels=6, rotary_percent=0.5), "rotary_percent"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", CASES)
+def test_bad_config_names_field_rule_and_fix(overrides, field):
+    with pytest.raises(ModelConfigError) as info:
+        TransformerConfig(**{**BASE, **overrides})
+    message = str(info.value)
+    assert field in message and "rule" in message and "fix" in message
+
+
+def test_defaults_follow_megatron():
+    c = TransformerConfig(**BASE)
+    assert (c.num_query_groups, c.kv_channels, c.ffn_hidden_size) == (8, 8, 256)
+    assert c.share_embeddings_and_output_weights and not c.gated_linear_unit
+    assert c.apply_query_key_layer_scaling is False
+    assert TransformerConfig(**BASE, activation="swiglu").gated_linear_unit
+
+
+@pytest.mark.skipif(HAVE_TE, reason="transformer-engine is installed")
+def test_te_spec_without_te_says_how_to_fix():
+    with pytest.raises(ModelConfigError, match="transformer-engine"):
+        get_gpt_layer_te_spec()
