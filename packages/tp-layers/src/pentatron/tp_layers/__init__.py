@@ -45,7 +45,7 @@ from .utils import (
     vocab_range,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "DATA_PARALLEL_RNG",

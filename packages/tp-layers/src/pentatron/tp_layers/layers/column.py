@@ -142,6 +142,10 @@ class ColumnParallelLinear(torch.nn.Module):
         self, x: torch.Tensor, weight: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`[s, b, in]` (or `[s/t, b, in]` with SP) -> `([s, b, out/t] or [s, b, out], bias)`."""
+        # A weight passed in (the tied embedding) has a second use (the lookup) whose grad
+        # autograd sums with ours before DDP's hook sees it: fusing ours into main_grad
+        # would make the hook drop the lookup's part, so that weight takes the plain path.
+        fuse = self.gradient_accumulation_fusion and weight is None
         weight = self._weight_for(weight)
         check_last_dim(x, self.input_size, "ColumnParallelLinear", "input_size")
         parallel = self.tp_size > 1
@@ -153,7 +157,7 @@ class ColumnParallelLinear(torch.nn.Module):
             x,
             weight,
             bias,
-            self.gradient_accumulation_fusion,
+            fuse,
             allreduce,
             self.sequence_parallel,
             self.tp_group,
