@@ -97,12 +97,16 @@ def build_train_valid_test_datasets(
     config: GPTDatasetConfig,
     group=None,
     mock: bool = False,
+    mock_max_token: int = 4095,
 ) -> list:
-    """[train, valid, test] datasets (each a GPTDataset, a BlendedDataset, or None)."""
+    """[train, valid, test] datasets (each a GPTDataset, a BlendedDataset, or None).
+
+    `mock`: synthetic documents with ids in [1, mock_max_token] (see MockGPTDataset).
+    """
     fractions = parse_split(split)
     if mock:
         return [
-            None if not f or n == 0 else MockGPTDataset(n, name, config)
+            None if not f or n == 0 else MockGPTDataset(n, name, config, max_token=mock_max_token)
             for f, n, name in zip(fractions, train_valid_test_num_samples, SPLITS)
         ]
     paths, weights = parse_data_path(data_path)

@@ -1,0 +1,215 @@
+"""Command-line arguments with Megatron-LM's flag names, plus `--config file.yaml`.
+
+A YAML file's keys are the same names as the flags (dashes or underscores: both
+`tensor-model-parallel-size: 2` and `tensor_model_parallel_size: 2`); flags given on the
+command line override the file. Unknown keys are an error naming the key, as unknown flags
+are. `validate_args` checks everything that can be checked before a process group exists;
+each failure is one `ArgumentError` line naming the flag, the rule and a fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .arguments_validate import ArgumentError, validate_args
+
+__all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args"]
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument(
+        "--position-embedding-type", default="rope", choices=["learned_absolute", "rope"]
+    )
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"])
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
+    g.add_argument("--enable-cuda-graph", action="store_true")
+
+
+def _parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def _optimizer(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and schedule")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-decay-style",
+        default="cosine",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+    )
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-style", default="exponential")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--override-opt_param-scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: mbs * dp")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True)
+    g.add_argument(
+        "--on-nan-loss",
+        default="stop",
+        choices=["stop", "skip"],
+        help="a NaN/Inf loss stops the run (default) or skips the optimizer step",
+    )
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / mock data")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--ckpt-keep-last", type=int, default=None)
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-jsonl", default=None, help="metrics file (default: in --save)")
+    g.add_argument("--no-progress", action="store_true", help="plain lines, no live bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pentatron-pretrain",
+        description="Megatron-style GPT pretraining (launch with torchrun).",
+    )
+    p.add_argument("--config", default=None, help="YAML file; keys are these flags' names")
+    for add in (_model, _parallel, _optimizer, _training, _data, _checkpoint_and_logging):
+        add(p)
+    return p
+
+
+def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ArgumentError(f"--config {path}: the file must hold a mapping of flag: value")
+    known = {a.dest: a for a in parser._actions}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known or dest in ("config", "help"):
+            raise ArgumentError(
+                f"--config {path}: unknown key {key!r}; the rule: keys are the flag names "
+                "(see pentatron-pretrain --help)"
+            )
+        action = known[dest]
+        if action.type is not None and value is not None:
+            value = (
+                [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
+            )
+        out[dest] = value
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags over `--config` over the defaults; not yet validated (see `validate_args`)."""
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**_yaml_defaults(parser, first.config))
+    return parser.parse_args(argv)

@@ -1,0 +1,299 @@
+"""`validate_args`: every check that needs no process group, and the derived values.
+
+Runs on every rank before any collective, so a bad run fails everywhere alike with one line
+naming the flag, the rule and a fix. Fills in: data_parallel_size, global_batch_size,
+num_microbatches, virtual_pipeline_model_parallel_size, num_query_groups, ffn_hidden_size,
+max_position_embeddings, lr_decay_iters, lr_warmup_iters, start/end weight decay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+class ArgumentError(ValueError):
+    """A flag (or flag combination) that cannot work; the message is one line."""
+
+
+def _fail(flag: str, value: object, rule: str, fix: str) -> None:
+    raise ArgumentError(f"--{flag}={value}: {rule}; fix: {fix}")
+
+
+def _check_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            _fail(name.replace("_", "-"), value, "must be >= 1", "pass a positive integer")
+
+
+def _parallel_layout(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    if cp > 1:
+        _fail("context-parallel-size", cp, "context parallelism is not in this release", "use 1")
+    if args.expert_model_parallel_size > 1 or args.num_experts:
+        _fail(
+            "num-experts" if args.num_experts else "expert-model-parallel-size",
+            args.num_experts or args.expert_model_parallel_size,
+            "Mixture-of-Experts is not in this release",
+            "drop the MoE flags",
+        )
+    if world_size % (tp * pp * cp):
+        _fail(
+            "tensor-model-parallel-size",
+            tp,
+            f"world size {world_size} must be divisible by tp*pp*cp = {tp}*{pp}*{cp}",
+            "change the sizes or the number of processes (torchrun --nproc-per-node)",
+        )
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # Megatron's rule: SP is a no-op without tp
+    if args.sequence_parallel and args.seq_length % tp:
+        _fail(
+            "seq-length",
+            args.seq_length,
+            f"with --sequence-parallel it must be divisible by tp={tp}",
+            "pick a multiple of the tensor-parallel size",
+        )
+
+
+def _virtual_stages(args: argparse.Namespace) -> None:
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    per_v = args.num_layers_per_virtual_pipeline_stage
+    if per_v is not None:
+        if pp == 1:
+            _fail(
+                "num-layers-per-virtual-pipeline-stage",
+                per_v,
+                "virtual stages need --pipeline-model-parallel-size > 1",
+                "drop the flag or set pp > 1",
+            )
+        if layers % (pp * per_v):
+            _fail(
+                "num-layers-per-virtual-pipeline-stage",
+                per_v,
+                f"--num-layers {layers} must be divisible by pp*{per_v} = {pp * per_v}",
+                "change the layers per virtual stage or the number of layers",
+            )
+        vpp = layers // (pp * per_v)
+        if args.virtual_pipeline_model_parallel_size not in (None, vpp):
+            _fail(
+                "virtual-pipeline-model-parallel-size",
+                args.virtual_pipeline_model_parallel_size,
+                f"disagrees with --num-layers-per-virtual-pipeline-stage {per_v} ({vpp})",
+                "pass only one of them",
+            )
+        args.virtual_pipeline_model_parallel_size = vpp
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp == 1:
+        args.virtual_pipeline_model_parallel_size = vpp = None
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None and layers % (pp * (vpp or 1)):
+        _fail(
+            "num-layers",
+            layers,
+            f"must be divisible by pp*vpp = {pp}*{vpp or 1} for an even split",
+            "change --num-layers, or set --decoder-first/last-pipeline-num-layers",
+        )
+
+
+def _model_shape(args: argparse.Namespace) -> None:
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    if args.hidden_size % heads and args.kv_channels is None:
+        _fail(
+            "num-attention-heads",
+            heads,
+            f"must divide --hidden-size {args.hidden_size}",
+            "pick a divisor, or set --kv-channels",
+        )
+    if heads % tp:
+        _fail(
+            "num-attention-heads",
+            heads,
+            f"must be divisible by --tensor-model-parallel-size {tp}",
+            "use a head count that tp divides",
+        )
+    if not args.group_query_attention:
+        args.num_query_groups = heads
+    groups = args.num_query_groups or heads
+    if heads % groups or groups % tp:
+        _fail(
+            "num-query-groups",
+            groups,
+            f"must divide the {heads} heads and be divisible by tp={tp}",
+            "adjust the groups",
+        )
+    args.num_query_groups = groups
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (
+            int(8 * args.hidden_size / 3 / 64 + 0.999) * 64 if args.swiglu else 4 * args.hidden_size
+        )
+    if args.ffn_hidden_size % tp:
+        _fail(
+            "ffn-hidden-size",
+            args.ffn_hidden_size,
+            f"must be divisible by tp={tp}",
+            "round it to a multiple of the tensor-parallel size",
+        )
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        _fail(
+            "seq-length",
+            args.seq_length,
+            f"exceeds --max-position-embeddings {args.max_position_embeddings}",
+            "raise --max-position-embeddings",
+        )
+
+
+def _batch(args: argparse.Namespace) -> None:
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    if gbs % (mbs * dp):
+        _fail(
+            "global-batch-size",
+            gbs,
+            f"must be divisible by micro-batch-size*dp = {mbs}*{dp} = {mbs * dp}",
+            f"use a multiple of {mbs * dp}",
+        )
+    if args.rampup_batch_size is not None:
+        start, incr, _ = args.rampup_batch_size
+        if start % (mbs * dp) or incr % (mbs * dp):
+            _fail(
+                "rampup-batch-size",
+                args.rampup_batch_size,
+                f"start and increment must be multiples of mbs*dp = {mbs * dp}",
+                "adjust them",
+            )
+    args.num_microbatches = gbs // (mbs * dp)
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if vpp and args.num_microbatches % pp:
+        _fail(
+            "global-batch-size",
+            gbs,
+            f"interleaving needs the {args.num_microbatches} micro-batches per step to be a "
+            f"multiple of pp={pp}",
+            f"use a global batch that is a multiple of {mbs * dp * pp}",
+        )
+
+
+def _training_length(args: argparse.Namespace) -> None:
+    if (args.train_iters is None) == (args.train_samples is None):
+        _fail(
+            "train-iters",
+            args.train_iters,
+            "exactly one of --train-iters / --train-samples",
+            "pass one of them",
+        )
+    if args.train_samples is not None:
+        if args.rampup_batch_size is not None:
+            _fail(
+                "rampup-batch-size",
+                args.rampup_batch_size,
+                "not with --train-samples",
+                "use --train-iters",
+            )
+        args.train_iters = args.train_samples // args.global_batch_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
+        _fail(
+            "lr-warmup-iters",
+            args.lr_warmup_iters,
+            f"must be below --lr-decay-iters {args.lr_decay_iters}",
+            "shorten the warm-up",
+        )
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+
+
+def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
+    if args.fp16 and args.bf16:
+        _fail("fp16", True, "--fp16 and --bf16 are exclusive", "pass one")
+    needs_gpu = {
+        "enable-cuda-graph": args.enable_cuda_graph,
+        "fp8-format": args.fp8_format,
+        "transformer-impl": args.transformer_impl == "transformer_engine",
+    }
+    for flag, value in needs_gpu.items():
+        if value and not cuda:
+            _fail(
+                flag,
+                value,
+                "needs CUDA (and transformer-engine for fp8 / TE)",
+                "drop the flag on CPU",
+            )
+    if args.enable_cuda_graph:
+        _fail(
+            "enable-cuda-graph", True, "CUDA graph capture is not in this release", "drop the flag"
+        )
+    if args.fp16 and not cuda:
+        _fail(
+            "fp16",
+            True,
+            "fp16 training needs CUDA (CPU kernels are bf16/fp32)",
+            "use --bf16 or fp32 on CPU",
+        )
+
+
+def _data_and_checkpoints(args: argparse.Namespace) -> None:
+    if args.data_path:
+        from .data.builder import parse_data_path
+
+        for prefix in parse_data_path(args.data_path)[0]:
+            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+                _fail(
+                    "data-path",
+                    prefix,
+                    "no .bin/.idx pair with this prefix",
+                    "pass the prefix written by pentatron-preprocess-data (no extension)",
+                )
+        if args.tokenizer_type is None:
+            _fail(
+                "tokenizer-type",
+                None,
+                "required with --data-path",
+                "e.g. --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR",
+            )
+    if args.save_interval is not None and args.save is None:
+        _fail("save-interval", args.save_interval, "needs --save", "pass --save DIR")
+    if args.async_save and args.save is None:
+        _fail("async-save", True, "needs --save", "pass --save DIR")
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False):
+    """Check `args` for `world_size` processes; fill the derived values; return `args`."""
+    _check_positive(
+        args,
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "log_interval",
+        "eval_interval",
+        "train_iters",
+        "global_batch_size",
+        "save_interval",
+    )
+    _parallel_layout(args, world_size)
+    _virtual_stages(args)
+    _model_shape(args)
+    _batch(args)
+    _training_length(args)
+    _precision_and_gpu(args, cuda)
+    _data_and_checkpoints(args)
+    return args

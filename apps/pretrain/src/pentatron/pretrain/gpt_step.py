@@ -1,0 +1,83 @@
+"""The GPT callbacks of Megatron's pretrain_gpt.py: get_batch, loss_func, forward_step.
+
+Each is small and replaceable; `pretrain()` takes `forward_step_func` as an argument.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from pentatron.parallel_state import ProcessGrid, comm
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def get_batch(
+    data_iterator, model, grid: ProcessGrid, micro_batch_size: int, seq_length: int
+) -> dict[str, torch.Tensor] | None:
+    """This chunk's micro-batch: tokens, labels, loss_mask, position_ids, each [b, s].
+
+    Only chunks that embed (first stage) or compute the loss (last stage) need data; others
+    get None and do not advance their iterator. Only tp rank 0 reads; one int64 broadcast
+    of [4, b, s] gives the other tp ranks the same batch.
+    """
+    chunk = _unwrap(model)
+    if not (chunk.pre_process or chunk.post_process):
+        return None
+    tp = grid.size("tp")
+    if grid.rank("tp") == 0:
+        batch = next(data_iterator)
+        packed = torch.stack([batch[k].to(torch.int64) for k in BATCH_KEYS])
+    else:
+        packed = torch.empty((len(BATCH_KEYS), micro_batch_size, seq_length), dtype=torch.int64)
+    if tp > 1:
+        src = grid.ranks("tp")[0]
+        comm.broadcast(packed, src=src, group=grid.group("tp"))
+    out = dict(zip(BATCH_KEYS, packed.unbind(0)))
+    out["loss_mask"] = out["loss_mask"].float()
+    return out
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Masked per-token loss: (sum of losses, token count, {"lm loss": [sum, count]}).
+
+    `output` is the model's per-token loss [b, s]. The schedule divides by the token count
+    (or, with --calculate-per-token-loss, the step's total); the reported pair lets the
+    logger average over micro-batches and dp exactly. A NaN/Inf stays in the report: the
+    training step agrees on it across ranks and stops or skips.
+    """
+    mask = loss_mask.reshape(-1).float()
+    losses = output.float().reshape(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(
+    data_iterator, model, *, grid: ProcessGrid, micro_batch_size: int, seq_length: int
+):
+    """Megatron's forward_step: (output, loss_func bound to this micro-batch's mask)."""
+    batch = get_batch(data_iterator, model, grid, micro_batch_size, seq_length)
+    chunk = _unwrap(model)
+    tokens = batch["tokens"] if batch is not None and chunk.pre_process else None
+    position_ids = batch["position_ids"] if batch is not None and chunk.pre_process else None
+    labels = batch["labels"] if batch is not None and chunk.post_process else None
+    output = model(tokens, position_ids, labels=labels)
+    mask = batch["loss_mask"] if batch is not None else None
+    return output, partial(loss_func, mask)
+
+
+def make_forward_step(grid: ProcessGrid, micro_batch_size: int, seq_length: int):
+    return partial(
+        forward_step, grid=grid, micro_batch_size=micro_batch_size, seq_length=seq_length
+    )

@@ -1,0 +1,255 @@
+"""`pretrain_gpt`: Megatron's entry point, with its four replaceable callbacks.
+
+    torchrun --nproc-per-node 8 -m pentatron.pretrain --tensor-model-parallel-size 2 ...
+
+`model_provider(pre_process, post_process, vp_stage)` builds one GPT chunk,
+`datasets_provider(train_valid_test_num_samples)` the datasets, `forward_step` (in
+`gpt_step`) runs a micro-batch, and `pretrain(...)` wires them with the packages. With no
+data flags the embedded corpus (this Python's standard library sources, BPE-tokenized and
+cached on first use) is the training data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+from typing import Any
+
+import torch.distributed as dist
+
+from pentatron.models import GPTModel, get_gpt_layer_local_spec
+
+from .arguments import ArgumentError, parse_args, validate_args
+from .gpt_step import make_forward_step
+from .training import configs
+from .training.loop import Trainer, TrainState
+from .training.setup import (
+    build_iterators,
+    initialize,
+    setup_model_and_optimizer,
+)
+from .training.step import make_pipeline_config
+
+
+def resolve_data(args: argparse.Namespace) -> None:
+    """Fill --data-path / --tokenizer-* from the embedded corpus when no data was given."""
+    if args.mock_data or args.data_path:
+        return
+    from .data import prepare_embedded_corpus
+
+    corpus = prepare_embedded_corpus(cache_dir=args.data_cache_path, group=dist.group.WORLD)
+    args.data_path = [corpus.data_prefix]
+    args.tokenizer_type = args.tokenizer_type or "PentatronBPETokenizer"
+    args.tokenizer_model = args.tokenizer_model or corpus.tokenizer_dir
+
+
+def build_tokenizer_for(args: argparse.Namespace):
+    from .tokenizer import build_tokenizer
+
+    if args.mock_data and args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer"
+        args.vocab_size = args.vocab_size or 4096
+    return build_tokenizer(
+        args.tokenizer_type,
+        args.tokenizer_model,
+        args.vocab_size,
+        args.vocab_file,
+        args.merge_file,
+        cache_dir=args.data_cache_path,
+    )
+
+
+def model_provider(
+    args, grid, vocab_size: int, pre_process: bool, post_process: bool, vp_stage: int | None = None
+) -> GPTModel:
+    return GPTModel(
+        configs.transformer_config(args),
+        get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm),
+        vocab_size,
+        args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        grid=grid,
+        vp_stage=vp_stage,
+    )
+
+
+def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int]) -> list[Any]:
+    from .data import GPTDatasetConfig, build_train_valid_test_datasets
+
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        eod=tokenizer.eod,
+        pad=tokenizer.pad,
+        path_to_cache=args.data_cache_path,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+    return build_train_valid_test_datasets(
+        args.data_path,
+        args.split,
+        num_samples,
+        config,
+        group=dist.group.WORLD,
+        mock=args.mock_data,
+        mock_max_token=tokenizer.vocab_size - 1,
+    )
+
+
+def _num_samples(args) -> tuple[int, int, int]:
+    gbs = args.global_batch_size
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
+    return args.train_iters * gbs, evals * gbs, args.eval_iters * gbs
+
+
+def _loader_factory(args, grid, dataset, consumed: int):
+    from .data import build_pretraining_data_loader
+
+    if dataset is None:
+        return None
+    return partial(
+        build_pretraining_data_loader,
+        dataset,
+        consumed,
+        args.micro_batch_size,
+        grid.rank("dp"),
+        grid.size("dp"),
+        args.dataloader_type,
+        args.num_workers,
+        args.seed,
+    )
+
+
+def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func=None):
+    """Train per `args` (validated); returns the final TrainState."""
+    grid = initialize(args)
+    resolve_data(args)
+    tokenizer = build_tokenizer_for(args)
+    provider = partial(model_provider, args, grid, tokenizer.vocab_size)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(provider, args, grid)
+    config = configs.transformer_config(args)
+    state = TrainState()
+    if args.load:
+        from .checkpointing import load_checkpoint
+
+        loaded = load_checkpoint(
+            args.load,
+            chunks,
+            optimizer,
+            scheduler,
+            grid=grid,
+            config=config,
+            load_optim=not args.no_load_optim,
+            load_rng=not args.no_load_rng,
+            finetune=args.finetune,
+        )
+        if loaded is not None:
+            state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
+    train_ds, valid_ds, _ = datasets_provider(args, tokenizer, _num_samples(args))
+    train_factory = _loader_factory(args, grid, train_ds, state.consumed_samples)
+    valid_factory = _loader_factory(args, grid, valid_ds, 0)
+    forward_step = forward_step_func or make_forward_step(
+        grid, args.micro_batch_size, args.seq_length
+    )
+    logger = (logger_factory or default_logger)(args, grid, chunks)
+    trainer = Trainer(
+        args=args,
+        grid=grid,
+        chunks=chunks,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        forward_step=forward_step,
+        pcfg=make_pipeline_config(args, chunks, grid, configs.pipeline_config),
+        train_iters=build_iterators(train_factory, args, grid),
+        valid_iters=build_iterators(valid_factory, args, grid) if valid_factory else None,
+        logger=logger,
+        save=_saver(args, chunks, optimizer, scheduler, grid, config),
+    )
+    try:
+        return trainer.train(state)
+    finally:
+        logger.close()
+
+
+def _saver(args, chunks, optimizer, scheduler, grid, config):
+    if not args.save:
+        return None
+    from .checkpointing import save_checkpoint
+
+    def save(state: TrainState) -> None:
+        save_checkpoint(
+            args.save,
+            state.iteration,
+            chunks,
+            None if args.no_save_optim else optimizer,
+            scheduler,
+            grid=grid,
+            config=config,
+            consumed_samples=state.consumed_samples,
+            args={k: v for k, v in vars(args).items() if _jsonable(v)},
+            keep_last=args.ckpt_keep_last,
+        )
+
+    return save
+
+
+def _jsonable(v: Any) -> bool:
+    return (
+        v is None
+        or isinstance(v, (bool, int, float, str))
+        or (isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v))
+    )
+
+
+def default_logger(args, grid, chunks):
+    """The metrics logger; it writes on the last rank only (it holds the loss, as in
+    Megatron). JSONL goes to --log-jsonl, else <--save>/metrics.jsonl, else nowhere."""
+    from pentatron.models import num_floating_point_operations
+
+    from .metrics import TrainingLogger
+
+    model = chunks[-1].module
+    jsonl = args.log_jsonl or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+    world = dist.get_world_size()
+    return TrainingLogger(
+        log_interval=args.log_interval,
+        train_iters=args.train_iters,
+        jsonl_path=jsonl,
+        tensorboard_dir=args.tensorboard_dir,
+        enabled=dist.get_rank() == world - 1,
+        progress=not args.no_progress,
+        flops_per_iteration=num_floating_point_operations(
+            model.config, args.seq_length, model.padded_vocab_size, args.global_batch_size
+        ),
+        tokens_per_iteration=args.global_batch_size * args.seq_length,
+        world_size=world,
+        global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args = validate_args(parse_args(argv), world, cuda=_cuda(args_device=None))
+    except ArgumentError as e:
+        print(f"pentatron-pretrain: error: {e}", file=sys.stderr)
+        return 2
+    state = pretrain(args)
+    print(f"done: {state.iteration} iterations ({state.exit_reason})") if _is_rank0() else None
+    return 0
+
+
+def _cuda(args_device) -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

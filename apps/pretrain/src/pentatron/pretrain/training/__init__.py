@@ -1,0 +1,1 @@
+"""The training loop's parts: configs from arguments, start-up, one step, the loop."""

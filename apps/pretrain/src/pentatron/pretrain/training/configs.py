@@ -1,0 +1,126 @@
+"""Validated arguments -> the packages' config dataclasses (one place, no logic elsewhere)."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+
+import torch
+
+from pentatron.models import TransformerConfig
+from pentatron.optim import DDPConfig, OptimizerConfig, OptimizerParamScheduler
+from pentatron.parallel_state import ParallelConfig
+from pentatron.pipeline import PipelineConfig
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size,
+        cp=args.context_parallel_size,
+        timeout=timedelta(minutes=args.distributed_timeout_minutes),
+    )
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        activation="swiglu" if args.swiglu else "gelu",
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        params_dtype=params_dtype(args),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+    )
+
+
+def ddp_config(args: argparse.Namespace) -> DDPConfig:
+    return DDPConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+    )
+
+
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    """Megatron counts scheduler steps in samples when training by samples, else iterations;
+    here always iterations (batch ramp-up changes samples per step, not the schedule)."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def pipeline_config(args: argparse.Namespace, **hooks) -> PipelineConfig:
+    return PipelineConfig(
+        hidden_size=args.hidden_size,
+        pipeline_dtype=params_dtype(args),
+        sequence_parallel=args.sequence_parallel,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        **hooks,
+    )

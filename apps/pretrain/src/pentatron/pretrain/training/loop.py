@@ -1,0 +1,162 @@
+"""Megatron's `train`: iterate train_step, log, evaluate, save, and exit cleanly.
+
+Exit conditions (each agreed by every rank, so all stop at the same iteration): train_iters
+reached, --exit-interval, --exit-duration-in-mins, and SIGTERM / SIGINT (torchrun forwards
+them to every worker); the last three save a checkpoint first when --save is set. A NaN or
+Inf loss stops the run before the optimizer step (the last checkpoint stays intact) or, with
+--on-nan-loss skip, skips that step on every rank.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pentatron.parallel_state import ProcessGrid
+
+from .microbatches import global_batch_size, num_microbatches
+from .step import agree_flags, evaluate, train_step
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss was NaN or Inf at some iteration (and --on-nan-loss is "stop")."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    losses: list[float | None] = field(default_factory=list)  # per iteration (last stage)
+    exit_reason: str = ""
+
+
+class SignalCatcher:
+    """Remembers SIGTERM / SIGINT instead of dying mid-step; restores the handlers on exit."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)) -> None:
+        self.received: int | None = None
+        self._old = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+@dataclass
+class Trainer:
+    """Everything a training iteration touches; built by `pretrain`."""
+
+    args: Any
+    grid: ProcessGrid
+    chunks: list
+    optimizer: Any
+    scheduler: Any
+    forward_step: Any
+    pcfg: Any
+    train_iters: list
+    valid_iters: list | None
+    logger: Any
+    save: Any  # save(state) -> None, or None without --save
+
+    def _should_exit(self, state: TrainState, started: float, catcher: SignalCatcher) -> str:
+        args = self.args
+        over_time = (
+            args.exit_duration_in_mins is not None
+            and (time.time() - started) / 60.0 > args.exit_duration_in_mins
+        )
+        signalled, over_time = agree_flags([catcher.received is not None, over_time], self.grid)
+        if signalled:
+            return "signal"
+        if over_time:
+            return "exit-duration-in-mins"
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            return "exit-interval"
+        return ""
+
+    def _one_iteration(self, state: TrainState) -> None:
+        args = self.args
+        m = num_microbatches(args, state.consumed_samples)
+        t0 = time.perf_counter()
+        out = train_step(
+            args,
+            self.chunks,
+            self.train_iters,
+            self.forward_step,
+            self.optimizer,
+            self.pcfg,
+            self.grid,
+            m,
+        )
+        elapsed = time.perf_counter() - t0
+        state.iteration += 1
+        state.consumed_samples += global_batch_size(args, state.consumed_samples)
+        if not out.finite and args.on_nan_loss == "stop":
+            raise NonFiniteLossError(
+                f"iteration {state.iteration}: the loss is NaN/Inf on some rank; stopped "
+                "before the optimizer step, no checkpoint written (the last one is intact); "
+                "fix: lower --lr or resume from the last checkpoint, or pass --on-nan-loss skip"
+            )
+        if out.update_successful:
+            self.scheduler.step(1)
+        state.losses.append(out.loss)
+        self.logger.log_train(
+            state.iteration,
+            {
+                "lm loss": out.loss if out.loss is not None else float("nan"),
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "grad_norm": out.grad_norm,
+                "loss_scale": out.loss_scale if out.loss_scale is not None else 1.0,
+                "num_zeros": out.num_zeros,
+                "skipped": 0 if out.update_successful else 1,
+                "nan": 0 if out.finite else 1,
+                "elapsed_s": elapsed,
+                "consumed_samples": state.consumed_samples,
+                "global_batch_size": global_batch_size(args, state.consumed_samples),
+            },
+        )
+
+    def _maybe_evaluate(self, state: TrainState) -> None:
+        args = self.args
+        if not self.valid_iters or not args.eval_interval or not args.eval_iters:
+            return
+        if state.iteration % args.eval_interval and state.iteration != args.train_iters:
+            return
+        loss = evaluate(
+            args,
+            self.chunks,
+            self.valid_iters,
+            self.forward_step,
+            self.pcfg,
+            self.grid,
+            args.eval_iters,
+            num_microbatches(args, state.consumed_samples),
+        )
+        if loss is not None:
+            self.logger.log_eval(state.iteration, {"lm loss": loss})
+
+    def train(self, state: TrainState) -> TrainState:
+        args, started = self.args, time.time()
+        catcher = SignalCatcher()
+        saved_at = state.iteration
+        try:
+            while state.iteration < args.train_iters:
+                self._one_iteration(state)
+                self._maybe_evaluate(state)
+                if self.save and args.save_interval and state.iteration % args.save_interval == 0:
+                    self.save(state)
+                    saved_at = state.iteration
+                state.exit_reason = self._should_exit(state, started, catcher)
+                if state.exit_reason:
+                    break
+            else:
+                state.exit_reason = "train-iters"
+            if self.save and saved_at != state.iteration:
+                self.save(state)
+        finally:
+            catcher.restore()
+        return state

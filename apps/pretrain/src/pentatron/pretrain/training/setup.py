@@ -1,0 +1,90 @@
+"""Start-up: process grid and seeds, model chunks, optimizer and scheduler, data iterators.
+
+Megatron's `initialize_megatron`, `get_model`, `setup_model_and_optimizer` and
+`build_train_valid_test_data_iterators`, each a function of the validated arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pentatron.optim import DistributedDataParallel, get_optimizer
+from pentatron.parallel_state import ProcessGrid, comm, initialize_model_parallel
+from pentatron.tp_layers import model_parallel_seed
+
+from . import configs
+from .init_weights import init_weights_layout_independent
+
+
+def initialize(args: argparse.Namespace) -> ProcessGrid:
+    """The process grid from torchrun's environment, then Megatron's seeding."""
+    grid = initialize_model_parallel(configs.parallel_config(args))
+    seed = args.seed + 100 * grid.rank("pp")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_seed(seed, grid)
+    return grid
+
+
+def stage_flags(grid: ProcessGrid, vp_stage: int | None, vpp: int | None) -> tuple[bool, bool]:
+    """(pre_process, post_process) of virtual stage `vp_stage` on this pipeline rank."""
+    pp_rank, pp = grid.rank("pp"), grid.size("pp")
+    first = pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+    last = pp_rank == pp - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    return first, last
+
+
+def get_model(
+    model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace, grid: ProcessGrid
+) -> list[DistributedDataParallel]:
+    """One DDP-wrapped chunk per virtual stage, with layout-independent initial weights."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    chunks = []
+    for stage in stages:
+        pre, post = stage_flags(grid, stage, vpp)
+        model = model_provider(pre, post, vp_stage=stage)
+        init_weights_layout_independent(model, args.seed)
+        chunks.append(model)
+    ddp = configs.ddp_config(args)
+    return [DistributedDataParallel(ddp, m, grid=grid) for m in chunks]
+
+
+def setup_model_and_optimizer(model_provider, args, grid):
+    """(chunks, optimizer, scheduler); checkpoint loading is the caller's next step."""
+    chunks = get_model(model_provider, args, grid)
+    optimizer = get_optimizer(configs.optimizer_config(args), chunks, grid=grid)
+    scheduler = configs.scheduler(args, optimizer)
+    return chunks, optimizer, scheduler
+
+
+def count_parameters(chunks, grid: ProcessGrid) -> dict[str, int]:
+    """Parameters on this rank, and in the whole model (tp shards summed, tied copy once)."""
+    local = sum(p.numel() for c in chunks for p in c.module.parameters())
+    unique = sum(
+        p.numel()
+        for c in chunks
+        for n, p in c.module.named_parameters()
+        if not getattr(p, "shared", False)
+        and (getattr(p, "tensor_model_parallel", False) or grid.rank("tp") == 0)
+    )
+    # One dp replica's ranks cover the model exactly once.
+    t = torch.tensor([unique if grid.rank("dp") == 0 else 0], dtype=torch.int64)
+    comm.all_reduce(t)
+    return {"this_rank": local, "total": int(t)}
+
+
+def build_iterators(loader_factory: Callable[[], Any], args, grid) -> list[Any]:
+    """One iterator per model chunk (each chunk consumes its own copy of the stream);
+    None on tp ranks other than 0, which receive their batches by broadcast."""
+    n = args.virtual_pipeline_model_parallel_size or 1
+    if grid.rank("tp") != 0:
+        return [None] * n
+    return [iter(loader_factory()) for _ in range(n)]

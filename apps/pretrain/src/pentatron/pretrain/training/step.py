@@ -1,0 +1,153 @@
+"""One training step and the evaluation loop over the model chunks of this rank.
+
+`train_step`: zero the grad buffers, run the pipeline schedule (forward and backward of
+every micro-batch), finalize the grads (dp reduction, tied embeddings, sequence-parallel
+norms), step the optimizer unless the loss was not finite, and return what the logger
+needs. The step's verdict (loss finite?) is agreed by every rank with one all-reduce, so a
+NaN on the last stage never leaves the other stages waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pentatron.optim import finalize_model_grads
+from pentatron.parallel_state import ProcessGrid, comm
+from pentatron.pipeline import PipelineConfig, get_forward_backward_func
+
+
+@dataclass
+class StepOutput:
+    loss: float | None  # dp-averaged per-token loss (last pipeline stage), else None
+    finite: bool  # the loss was finite on every rank
+    update_successful: bool
+    grad_norm: float | None
+    num_zeros: int | None
+    loss_scale: float | None
+
+
+def reduce_losses(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> float | None:
+    """Per-token mean of the micro-batches' (loss sum, tokens) pairs over dp, or None."""
+    if not reduced:
+        return None
+    total = torch.stack([r["lm loss"] for r in reduced]).sum(0).double()
+    comm.all_reduce(total, group=grid.group("dp"))
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def agree_flags(flags: list[bool], grid: ProcessGrid, group: Any = None) -> list[bool]:
+    """Any-rank OR of each flag over the whole world (one all-reduce of len(flags))."""
+    t = torch.tensor([float(f) for f in flags])
+    comm.all_reduce(t, op=comm.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t]
+
+
+def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> PipelineConfig:
+    """The schedule's hooks wired to DDP: no_sync on every chunk, overlap-started grad sync,
+    finalize (with per-token scaling when --calculate-per-token-loss)."""
+
+    @contextlib.contextmanager
+    def no_sync():
+        with contextlib.ExitStack() as stack:
+            for c in chunks:
+                stack.enter_context(c.no_sync())
+            yield
+
+    def finalize(model_chunks, num_tokens):
+        finalize_model_grads(chunks, grid=grid)
+        if num_tokens is not None:
+            # Tokens live on the last stage; sum over pp (others add 0) and dp. DDP averaged
+            # over dp, so the sum of grads is dp times what it holds.
+            n = num_tokens.double().clone()
+            comm.all_reduce(n, group=grid.group("pp"))
+            comm.all_reduce(n, group=grid.group("dp"))
+            for c in chunks:
+                c.scale_gradients(grid.size("dp") / max(float(n), 1.0))
+
+    hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
+    if args.overlap_grad_reduce:
+        hooks["grad_sync_func"] = [lambda params, c=c: c.start_grad_sync() for c in chunks]
+    return make(args, **hooks)
+
+
+def run_schedule(
+    args,
+    chunks,
+    iterators,
+    forward_step,
+    pcfg,
+    grid,
+    num_microbatches,
+    *,
+    forward_only: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    vpp = args.virtual_pipeline_model_parallel_size
+    func = get_forward_backward_func(args.pipeline_model_parallel_size, vpp)
+    return func(
+        forward_step_func=forward_step,
+        data_iterator=iterators if vpp else iterators[0],
+        model=chunks if vpp else chunks[0],
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        config=pcfg,
+        grid=grid,
+        forward_only=forward_only,
+    )
+
+
+def _loss_finite(reduced, grid: ProcessGrid) -> bool:
+    local = all(bool(torch.isfinite(r["lm loss"]).all()) for r in reduced)
+    return not agree_flags([not local], grid)[0]
+
+
+def train_step(
+    args, chunks, iterators, forward_step, optimizer, pcfg, grid, num_microbatches: int
+) -> StepOutput:
+    for c in chunks:
+        c.zero_grad_buffer()
+    reduced = run_schedule(args, chunks, iterators, forward_step, pcfg, grid, num_microbatches)
+    finite = _loss_finite(reduced, grid)
+    loss = reduce_losses(reduced, grid)
+    if not finite:
+        return StepOutput(loss, False, False, None, None, None)
+    result = optimizer.step()
+    return StepOutput(
+        loss,
+        True,
+        result.update_successful,
+        result.grad_norm,
+        result.num_zeros_in_grad,
+        result.loss_scale,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    args, chunks, iterators, forward_step, pcfg, grid, eval_iters: int, num_microbatches: int
+) -> float | None:
+    """Mean per-token validation loss over `eval_iters` global batches (last stage)."""
+    for c in chunks:
+        c.eval()
+    reduced: list[dict[str, torch.Tensor]] = []
+    try:
+        for _ in range(eval_iters):
+            reduced += run_schedule(
+                args,
+                chunks,
+                iterators,
+                forward_step,
+                pcfg,
+                grid,
+                num_microbatches,
+                forward_only=True,
+            )
+    finally:
+        for c in chunks:
+            c.train()
+    return reduce_losses(reduced, grid)
