@@ -7,8 +7,20 @@ import pytest
 
 from pentatron.pretrain.arguments import ArgumentError, parse_args, validate_args
 
-BASE = ["--train-iters", "10", "--num-layers", "8", "--hidden-size", "64",
-        "--num-attention-heads", "8", "--seq-length", "32", "--micro-batch-size", "2"]
+BASE = [
+    "--train-iters",
+    "10",
+    "--num-layers",
+    "8",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+]
 
 
 def _validated(extra, world=8):
@@ -16,11 +28,20 @@ def _validated(extra, world=8):
 
 
 def test_derived_values_for_the_readme_layout():
-    args = _validated([
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--num-layers-per-virtual-pipeline-stage", "2", "--sequence-parallel",
-        "--global-batch-size", "16", "--use-distributed-optimizer",
-    ])
+    args = _validated(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+            "--sequence-parallel",
+            "--global-batch-size",
+            "16",
+            "--use-distributed-optimizer",
+        ]
+    )
     assert args.data_parallel_size == 8 // (2 * 2)
     assert args.virtual_pipeline_model_parallel_size == 8 // (2 * 2)
     assert args.num_microbatches == 16 // (2 * 2)
@@ -35,8 +56,11 @@ def test_derived_values_for_the_readme_layout():
         (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads"),  # 8 heads
         (["--tensor-model-parallel-size", "3"], 8, "--tensor-model-parallel-size"),  # world
         (["--pipeline-model-parallel-size", "3"], 3, "--num-layers"),  # 8 layers / 3
-        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-          "3"], 2, "--num-layers-per-virtual-pipeline-stage"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+            2,
+            "--num-layers-per-virtual-pipeline-stage",
+        ),
         (["--data-path", "/nonexistent/corpus"], 1, "--data-path"),
         (["--train-samples", "100"], 1, "--train-iters"),  # both given
         (["--fp16", "--bf16"], 1, "--fp16"),
@@ -44,8 +68,19 @@ def test_derived_values_for_the_readme_layout():
         (["--fp8-format", "hybrid"], 1, "--fp8-format"),
         (["--num-experts", "4"], 1, "--num-experts"),
         (["--save-interval", "5"], 1, "--save-interval"),  # without --save
-        (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33",
-          "--max-position-embeddings", "64"], 2, "--seq-length"),
+        (
+            [
+                "--sequence-parallel",
+                "--tensor-model-parallel-size",
+                "2",
+                "--seq-length",
+                "33",
+                "--max-position-embeddings",
+                "64",
+            ],
+            2,
+            "--seq-length",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(extra, world, flag):
@@ -61,7 +96,7 @@ def test_yaml_config_uses_flag_names_and_flags_override(tmp_path):
         "tensor-model-parallel-size: 2\nglobal_batch_size: 8\nlr: 1.0e-3\nswiglu: true\n"
         "data-path: []\n"
     )
-    args = validate_args(parse_args(BASE + ["--config", str(cfg), "--lr", "2e-3"]), 4)
+    args = validate_args(parse_args([*BASE, "--config", str(cfg), "--lr", "2e-3"]), 4)
     assert args.tensor_model_parallel_size == 2 and args.global_batch_size == 8
     assert args.swiglu and args.lr == 2e-3  # the flag wins over the file
 
@@ -77,6 +112,6 @@ def test_main_reports_bad_flags_and_exits_2(capsys, monkeypatch):
     from pentatron.pretrain.pretrain_gpt import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(BASE + ["--global-batch-size", "6"]) == 2
+    assert main([*BASE, "--global-batch-size", "6"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pentatron-pretrain: error: --global-batch-size=6")

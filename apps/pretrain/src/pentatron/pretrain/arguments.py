@@ -160,6 +160,7 @@ def _checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not latest")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--ckpt-keep-last", type=int, default=None)
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])

@@ -147,6 +147,7 @@ def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func
             load_optim=not args.no_load_optim,
             load_rng=not args.no_load_rng,
             finetune=args.finetune,
+            iteration=args.ckpt_step,
         )
         if loaded is not None:
             state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples

@@ -48,10 +48,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = x - logits_max.unsqueeze(-1)  # exp of it cannot overflow
         local_t, foreign = _local_target(target, rank * part, (rank + 1) * part)
         predicted = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
-        exp = shifted.exp()
+        smoothing_sum = shifted.sum(dim=-1) if label_smoothing > 0 else None
+        # In place from here: `shifted` becomes exp, then the softmax saved for backward
+        # (each pass over [s, b, V/t] is the cost of this function).
+        exp = shifted.exp_()
         stats = [predicted.masked_fill(foreign, 0.0), exp.sum(dim=-1)]
-        if label_smoothing > 0:
-            stats.append(shifted.sum(dim=-1))
+        if smoothing_sum is not None:
+            stats.append(smoothing_sum)
         stats = torch.stack(stats)
         _all_reduce(stats, group, comm.ReduceOp.SUM)  # one small collective for all sums
         log_z = stats[1].log()
@@ -68,10 +71,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_t, foreign = ctx.saved_tensors
         eps = ctx.label_smoothing
         own = (~foreign).to(softmax.dtype).unsqueeze(-1)
+        # One copy of the saved softmax (kept intact for a retained graph), then in place.
         grad = softmax.scatter_add(-1, local_t.unsqueeze(-1), -(1.0 - eps) * own)
         if eps > 0:
-            grad = grad - eps / ctx.vocab
-        grad = grad * grad_loss.unsqueeze(-1)
+            grad.sub_(eps / ctx.vocab)
+        grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None
 
 

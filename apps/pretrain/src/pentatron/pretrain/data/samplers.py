@@ -171,4 +171,8 @@ def build_pretraining_data_loader(
         collate_fn=collate,
         pin_memory=False,
         persistent_workers=num_workers > 0,
+        # Its own generator: otherwise each new iterator draws from the global torch RNG,
+        # and a run resumed from a checkpoint (RNG restored, then loaders built) would see
+        # other dropout masks than the uninterrupted run.
+        generator=torch.Generator().manual_seed(seed),
     )

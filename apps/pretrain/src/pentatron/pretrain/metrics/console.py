@@ -34,7 +34,11 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
     if record.get("tokens_per_s") is not None:
         parts.append(f"tokens/s: {record['tokens_per_s']:.0f}")
     if record.get("tflops_per_device") is not None:
-        parts.append(f"TFLOP/s/device: {record['tflops_per_device']:.1f}")
+        tflops = record["tflops_per_device"]
+        # CPU runs reach a few GFLOP/s: below 1 keep three significant digits.
+        parts.append(
+            f"TFLOP/s/device: {tflops:.1f}" if tflops >= 1 else f"TFLOP/s/device: {tflops:.3g}"
+        )
     if "lr" in record:
         parts.append(f"learning rate: {_fmt(record['lr'], '.6E')}")
     if record.get("global_batch_size") is not None:

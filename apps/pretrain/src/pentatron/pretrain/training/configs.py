@@ -67,7 +67,9 @@ def ddp_config(args: argparse.Namespace) -> DDPConfig:
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        # The step checks loss and grads itself, agreed by every rank (training/step.py):
+        # DDP's own check raises on the one bad rank and leaves the others waiting.
+        check_for_nan_in_grad=False,
     )
 
 

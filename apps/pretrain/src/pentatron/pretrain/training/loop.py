@@ -97,7 +97,7 @@ class Trainer:
         state.consumed_samples += global_batch_size(args, state.consumed_samples)
         if not out.finite and args.on_nan_loss == "stop":
             raise NonFiniteLossError(
-                f"iteration {state.iteration}: the loss is NaN/Inf on some rank; stopped "
+                f"iteration {state.iteration}: the loss (or a grad) is NaN/Inf on some rank; stopped "
                 "before the optimizer step, no checkpoint written (the last one is intact); "
                 "fix: lower --lr or resume from the last checkpoint, or pass --on-nan-loss skip"
             )

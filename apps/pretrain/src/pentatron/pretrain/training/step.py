@@ -101,9 +101,17 @@ def run_schedule(
     )
 
 
-def _loss_finite(reduced, grid: ProcessGrid) -> bool:
-    local = all(bool(torch.isfinite(r["lm loss"]).all()) for r in reduced)
-    return not agree_flags([not local], grid)[0]
+def _all_finite(reduced, chunks, grid: ProcessGrid, check_grads: bool) -> bool:
+    """Loss (last stage) and, with `check_grads`, every grad buffer finite on every rank?
+
+    One all-reduce for both, so every rank takes the same decision before the optimizer
+    touches a parameter."""
+    loss_ok = all(bool(torch.isfinite(r["lm loss"]).all()) for r in reduced)
+    grads_ok = not check_grads or all(
+        bool(torch.isfinite(b.grad_data).all()) for c in chunks for b in c.all_buffers
+    )
+    bad_loss, bad_grads = agree_flags([not loss_ok, not grads_ok], grid)
+    return not (bad_loss or bad_grads)
 
 
 def train_step(
@@ -112,7 +120,7 @@ def train_step(
     for c in chunks:
         c.zero_grad_buffer()
     reduced = run_schedule(args, chunks, iterators, forward_step, pcfg, grid, num_microbatches)
-    finite = _loss_finite(reduced, grid)
+    finite = _all_finite(reduced, chunks, grid, args.check_for_nan_in_loss_and_grad)
     loss = reduce_losses(reduced, grid)
     if not finite:
         return StepOutput(loss, False, False, None, None, None)

@@ -1,0 +1,77 @@
+"""Model params as chunks of their global tensors (keys `model/<global name>[/gate|/up]`).
+
+Save: dp rank 0 of each model-parallel group writes its tp shards' rectangles (see
+`rectangles`). Load: every rank reads the rectangles of its own shards, at any tp / pp /
+vpp / dp layout; vocabulary padding rows (which differ with tp) are set to zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pentatron.parallel_state import ProcessGrid
+
+from .planner import GlobalChunks
+from .rectangles import Rect, param_rects, shard_info
+
+PREFIX = "model/"
+
+
+def iter_param_rects(
+    chunks: Sequence[Any], grid: ProcessGrid
+) -> Iterator[tuple[torch.nn.Parameter, list[Rect]]]:
+    """Every trainable param of this rank's chunks with its rectangles."""
+    tp_rank, tp_size = grid.rank("tp"), grid.size("tp")
+    for chunk in chunks:
+        info = shard_info(chunk, tp_rank, tp_size)
+        model = getattr(chunk, "module", chunk)
+        for name, p in model.named_parameters():
+            if getattr(p, "allreduce", True) is False:
+                raise NotImplementedError(
+                    f"{name}: expert params are not supported by the checkpoint format yet"
+                )
+            yield p, param_rects(name, tuple(p.shape), info)
+
+
+def add_rect(sd: dict[str, Any], prefix: str, rect: Rect, tensor: torch.Tensor) -> None:
+    """Register `tensor[rect.local]` as a chunk of `prefix + rect.key` in `sd`."""
+    entry = sd.setdefault(prefix + rect.key, GlobalChunks(rect.global_shape))
+    if entry.size != rect.global_shape:
+        raise ValueError(f"{rect.key}: global shapes {entry.size} and {rect.global_shape}")
+    entry.add(rect.offsets, tensor[rect.local])
+
+
+def is_dp_writer(chunk: Any) -> bool:
+    """Replicas over dp hold equal params: only the group's first rank writes."""
+    return dist.get_rank(chunk.dp_group) == 0
+
+
+def model_save_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, Any]:
+    """`{model/<key>: GlobalChunks}` of the rectangles this rank writes."""
+    sd: dict[str, Any] = {}
+    writer = all(is_dp_writer(c) for c in chunks)
+    if not writer:
+        return sd
+    for p, rects in iter_param_rects(chunks, grid):
+        for rect in rects:
+            if rect.writer:
+                add_rect(sd, PREFIX, rect, p.detach())
+    return sd
+
+
+@torch.no_grad()
+def model_load_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, Any]:
+    """`{model/<key>: GlobalChunks}` of views into this rank's params (filled by DCP).
+
+    Zeroes the params first, so rows no rectangle covers (vocabulary padding) end as zeros.
+    """
+    sd: dict[str, Any] = {}
+    for p, rects in iter_param_rects(chunks, grid):
+        p.data.zero_()
+        for rect in rects:
+            add_rect(sd, PREFIX, rect, p.data)
+    return sd

@@ -1,0 +1,110 @@
+"""Where a tp shard of a GPT parameter lies in the global (tp=1) tensor.
+
+A checkpoint stores every parameter (and its per-element optimizer state) as its global
+tensor under its global name (`decoder.layers.{layer_offset + i}...`). A tp shard is one
+or two rectangles of it (see `pentatron.models.sharding` for the split rules):
+
+| split (param_sharding) | local shard                  | rectangles in the global tensor       |
+|------------------------|------------------------------|---------------------------------------|
+| replicated             | `[n, ...]`                   | the whole tensor (tp rank 0 writes)   |
+| dim d, stride 1        | `[.., n_d/t, ..]`            | offset `r n_d/t` on dim d             |
+| swiglu fc1 (stride 2)  | `[2f/t, h]` = `[gate; up]`   | `<name>/gate`, `<name>/up` `[f, h]`,  |
+|                        |                              | each at row `r f/t`                   |
+| vocab (dim 0, padded)  | `[V_pad/t, h]`               | real rows only: global `[V, h]`       |
+
+The tied `output_layer.weight` of the last stage (pp > 1) is a copy of the embedding: it
+maps to the embedding's rectangles and is never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pentatron.models import TransformerConfig, global_param_name, param_sharding
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class Rect:
+    """One rectangle: `local` (slices into the tp shard) is stored in `key` at `offsets`."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local: tuple[slice, ...]
+    writer: bool  # False: another rank writes the same values (replica or tied copy)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What `param_rects` needs to know about a chunk and the tp layout."""
+
+    config: TransformerConfig
+    layer_offset: int
+    tp_rank: int
+    tp_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied_output: bool  # `output_layer.weight` is the embedding's copy
+
+
+def _split(key, shape, dim, rank, size, start, stop, writer) -> Rect:
+    """The rows `[start, stop)` of dim `dim` of a shard, at global offset `rank * size`."""
+    local = [slice(None)] * len(shape)
+    local[dim] = slice(start, stop)
+    gshape = list(shape)
+    gshape[dim] = (stop - start) * size
+    offsets = [0] * len(shape)
+    offsets[dim] = rank * (stop - start)
+    return Rect(key, tuple(gshape), tuple(offsets), tuple(local), writer)
+
+
+def _vocab_rect(key: str, shape: tuple[int, ...], info: ShardInfo, writer: bool) -> list[Rect]:
+    rows = info.padded_vocab_size // info.tp_size
+    start = info.tp_rank * rows
+    real = min(info.vocab_size, start + rows) - start
+    if real <= 0:  # this shard is all padding
+        return []
+    local = (slice(0, real),) + (slice(None),) * (len(shape) - 1)
+    gshape = (info.vocab_size, *shape[1:])
+    offsets = (start,) + (0,) * (len(shape) - 1)
+    return [Rect(key, gshape, offsets, local, writer)]
+
+
+def param_rects(local_name: str, shape: tuple[int, ...], info: ShardInfo) -> list[Rect]:
+    """The rectangles of one local param of shard shape `shape` (see the module table)."""
+    name = global_param_name(local_name, info.layer_offset)
+    writer = True
+    if name == "output_layer.weight" and info.tied_output:
+        name, writer = EMBEDDING, False
+    rule = param_sharding(name, info.config)
+    if rule.vocab:
+        return _vocab_rect(name, shape, info, writer)
+    if rule.dim is None:
+        full = tuple(slice(None) for _ in shape)
+        return [Rect(name, shape, (0,) * len(shape), full, writer and info.tp_rank == 0)]
+    t, r, n = info.tp_size, info.tp_rank, shape[rule.dim]
+    if rule.stride == 1:
+        return [_split(name, shape, rule.dim, r, t, 0, n, writer)]
+    if rule.stride != 2 or rule.dim != 0:
+        raise NotImplementedError(f"{name}: stride {rule.stride} on dim {rule.dim}")
+    half = n // 2
+    return [
+        _split(f"{name}/gate", shape, 0, r, t, 0, half, writer),
+        _split(f"{name}/up", shape, 0, r, t, half, n, writer),
+    ]
+
+
+def shard_info(chunk, tp_rank: int, tp_size: int) -> ShardInfo:
+    """`ShardInfo` of a GPTModel chunk (or a DDP wrapper of one)."""
+    model = getattr(chunk, "module", chunk)
+    return ShardInfo(
+        config=model.config,
+        layer_offset=model.layer_offset,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        vocab_size=model.vocab_size,
+        padded_vocab_size=model.padded_vocab_size,
+        tied_output=bool(model.share_embeddings_and_output_weights),
+    )

@@ -1,0 +1,111 @@
+"""`save_checkpoint`: one collective save of model, optimizer, scheduler, RNG and metadata.
+
+Order (so a crash at any point leaves the previous latest checkpoint loadable):
+1. rank 0 clears a stale `iter_N.tmp` left by an interrupted save; barrier;
+2. every rank writes its chunks into `iter_N.tmp` with DCP; rank 0 adds `common.json`;
+3. barrier; rank 0 renames `iter_N.tmp` -> `iter_N`, rewrites the latest file (atomically,
+   tmp + os.replace), then deletes checkpoints beyond `keep_last`; barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from pentatron.parallel_state import ProcessGrid, comm
+
+from . import layout
+from .common_state import layout as grid_layout
+from .common_state import model_fields, write_common
+from .model_state import model_save_entries
+from .optimizer_state import groups_state, optimizer_save_entries
+from .planner import ChunkSavePlanner
+from .rng_state import capture_rng
+
+
+def _common(iteration, chunks, optimizer, scheduler, grid, config, consumed_samples, args):
+    scaler = optimizer.grad_scaler if optimizer is not None else None
+    return {
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "args": args,
+        "model": model_fields(config, chunks[0]),
+        "layout": grid_layout(grid, config),
+        "has_optimizer": optimizer is not None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "param_groups": groups_state(optimizer) if optimizer is not None else [],
+        "grad_scaler": scaler.state_dict() if scaler is not None else None,
+    }
+
+
+def _check_json(args: dict[str, Any]) -> None:
+    try:
+        json.dumps(args)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"save_checkpoint: args is not JSON-able ({e}); fix: pass plain values "
+            "(str, int, float, bool, None, lists and dicts of them)"
+        ) from None
+
+
+def _publish(root: str, tmp: str, final: str, iteration: int, keep_last: int | None) -> None:
+    """Rank 0, after every rank wrote: make the folder visible, then point latest at it."""
+    if os.path.exists(final):  # re-saving an iteration replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    layout.write_latest_iteration(root, iteration)
+    if keep_last is not None:
+        layout.prune(root, keep_last)
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model_chunks: Sequence[Any],
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    grid: ProcessGrid,
+    config: Any,
+    consumed_samples: int,
+    args: dict[str, Any],
+    keep_last: int | None = None,
+) -> str:
+    """Collective over the world: save `save_dir/iter_<iteration>`; returns that path.
+
+    `model_chunks`: this rank's DDP-wrapped GPTModel chunks (one per virtual stage);
+    `optimizer` / `scheduler` may be None; `args` must be JSON-able.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: must be >= 1; fix: pass None to keep all")
+    _check_json(args)  # on every rank, before any collective: rank 0 alone must not fail
+    final, tmp = layout.iter_dir(save_dir, iteration), layout.temp_dir(save_dir, iteration)
+    first = dist.get_rank() == 0
+    if first:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    for chunk in model_chunks:
+        chunk.finish_param_sync()  # an overlapped all-gather may still be in flight
+    comm.barrier()
+    sd = model_save_entries(model_chunks, grid)
+    if optimizer is not None:
+        sd.update(optimizer_save_entries(optimizer, model_chunks, grid))
+    sd.update(capture_rng(dist.get_rank()))
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=ChunkSavePlanner())
+    if first:
+        common = _common(
+            iteration, model_chunks, optimizer, scheduler, grid, config, consumed_samples, args
+        )
+        write_common(tmp, common)
+    comm.barrier()  # every rank's files are complete before the folder becomes visible
+    if first:
+        _publish(save_dir, tmp, final, iteration, keep_last)
+    comm.barrier()
+    return final

@@ -1,0 +1,187 @@
+"""Acceptance: resume is exact, resharded resume continues the run, and faults lose nothing.
+
+- 6 steps, save, rebuild everything from the checkpoint, train to 12: the losses of steps
+  7..12 equal 12 uninterrupted steps bitwise (CPU, dropout on, so the RNG is restored too).
+- Save at tp2-pp2-dp2, resume at tp1-pp1-dp4 and at tp4-pp2-dp1: the next step's loss equals
+  the uninterrupted run's (rtol 1e-5, fp32: only the order of sums differs).
+- A NaN loss stops the run at that iteration on every rank with a message naming it, and
+  the latest checkpoint stays the one before; with --on-nan-loss skip the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+ARGS = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--swiglu",
+    "--ffn-hidden-size",
+    "64",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "255",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "5",
+    "--log-interval",
+    "1",
+    "--no-progress",
+    "--use-distributed-optimizer",
+]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def _run(argv):
+    import torch.distributed as dist
+
+    from pentatron.parallel_state import destroy_model_parallel
+    from pentatron.pretrain.arguments import parse_args, validate_args
+    from pentatron.pretrain.pretrain_gpt import pretrain
+
+    args = validate_args(parse_args(argv), dist.get_world_size())
+    try:
+        return pretrain(args).losses
+    finally:
+        destroy_model_parallel()
+
+
+def _last_stage(per_rank):
+    out = [r for r in per_rank if r and r[0] is not None]
+    assert out, "no rank of the last pipeline stage reported losses"
+    return out
+
+
+def _exact_resume(root):
+    argv = ARGS + DROPOUT + TP2_PP2 + ["--train-iters", "12"]
+    full = _run(argv)
+    ckpt = os.path.join(root, "ckpt")
+    first = _run([*argv, "--exit-interval", "6", "--save", ckpt])
+    second = _run([*argv, "--load", ckpt, "--save", ckpt])
+    return full, first, second
+
+
+def test_resume_is_bitwise_exact(distributed, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("resume"))
+    results = distributed.run(8, _exact_resume, root)
+    for full, first, second in [r for r in results if r[0][0] is not None]:
+        assert len(first) == 6 and len(second) == 6
+        assert first == full[:6]
+        assert second == full[6:]  # bitwise: same floats
+    from pentatron.pretrain.checkpointing import read_latest_iteration
+
+    assert read_latest_iteration(os.path.join(root, "ckpt")) == 12
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2_pp2_dp2(distributed, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    ckpt = os.path.join(root, "ckpt")
+    per_rank = distributed.run(
+        8, _run, ARGS + TP2_PP2 + ["--train-iters", "7", "--save", ckpt, "--save-interval", "6"]
+    )
+    reference = _last_stage(per_rank)[0]
+    return ckpt, reference
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [
+        (4, []),  # tp1-pp1-dp4
+        (8, ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["tp1-pp1-dp4", "tp4-pp2-dp1"],
+)
+def test_resharded_resume_continues_the_run(distributed, saved_at_tp2_pp2_dp2, world, layout):
+    # Without dropout: its masks depend on the layout (one stream per tp rank).
+    ckpt, reference = saved_at_tp2_pp2_dp2
+    per_rank = distributed.run(
+        world, _run, ARGS + layout + ["--train-iters", "7", "--load", ckpt, "--ckpt-step", "6"]
+    )
+    for losses in _last_stage(per_rank):
+        assert len(losses) == 1
+        torch.testing.assert_close(
+            torch.tensor(losses[0]), torch.tensor(reference[6]), rtol=1e-5, atol=0.0
+        )
+
+
+def _nan_at(iteration_to_poison, root, action):
+    """Train with a forward step whose loss turns NaN at one iteration."""
+    import torch.distributed as dist
+
+    from pentatron.parallel_state import destroy_model_parallel
+    from pentatron.pretrain.arguments import parse_args, validate_args
+    from pentatron.pretrain.gpt_step import make_forward_step
+    from pentatron.pretrain.pretrain_gpt import pretrain
+    from pentatron.pretrain.training.loop import NonFiniteLossError
+
+    ckpt = os.path.join(root, action)
+    argv = (
+        ARGS
+        + TP2_PP2
+        + ["--train-iters", "6", "--save", ckpt, "--save-interval", "2", "--on-nan-loss", action]
+    )
+    args = validate_args(parse_args(argv), dist.get_world_size())
+    calls = {"n": 0}
+    real = None
+
+    def poisoned(data_iterator, model):
+        nonlocal real
+        if real is None:
+            from pentatron.parallel_state import get_default_grid
+
+            real = make_forward_step(get_default_grid(), args.micro_batch_size, args.seq_length)
+        output, loss_func = real(data_iterator, model)
+        calls["n"] += 1
+        per_step = args.num_microbatches * (args.virtual_pipeline_model_parallel_size or 1)
+        if (calls["n"] - 1) // per_step + 1 == iteration_to_poison:
+            output = output * float("nan")
+        return output, loss_func
+
+    try:
+        state = pretrain(args, forward_step_func=poisoned)
+        return {"losses": state.losses, "error": None}
+    except NonFiniteLossError as e:
+        return {"losses": None, "error": str(e)}
+    finally:
+        destroy_model_parallel()
+
+
+def test_nan_loss_stops_every_rank_and_keeps_the_checkpoint(distributed, tmp_path_factory):
+    from pentatron.pretrain.checkpointing import read_latest_iteration
+
+    root = str(tmp_path_factory.mktemp("nan"))
+    results = distributed.run(8, _nan_at, 3, root, "stop")
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("iteration 3:")
+    assert read_latest_iteration(os.path.join(root, "stop")) == 2
+
+
+def test_nan_loss_skip_goes_on(distributed, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("nan"))
+    results = distributed.run(8, _nan_at, 3, root, "skip")
+    for r in _last_stage([r["losses"] for r in results]):
+        assert len(r) == 6 and math.isnan(r[2])
+        assert all(math.isfinite(v) for i, v in enumerate(r) if i != 2)
