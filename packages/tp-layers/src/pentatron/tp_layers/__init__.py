@@ -13,7 +13,11 @@ from .layers import (
     ColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
+    column_parallel_linear,
+    linear_backend,
     linear_with_grad_accumulation_and_async_allreduce,
+    row_parallel_linear,
+    te_available,
 )
 from .mappings import (
     all_to_all,
@@ -48,6 +52,10 @@ from .utils import (
 __version__ = "0.1.1"
 
 __all__ = [
+    "te_available",
+    "row_parallel_linear",
+    "linear_backend",
+    "column_parallel_linear",
     "DATA_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",

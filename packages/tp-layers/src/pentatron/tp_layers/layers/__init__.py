@@ -6,10 +6,15 @@ from .linear import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
 from .row import RowParallelLinear
+from .te import column_parallel_linear, linear_backend, row_parallel_linear, te_available
 
 __all__ = [
     "ColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
+    "column_parallel_linear",
+    "linear_backend",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "row_parallel_linear",
+    "te_available",
 ]
