@@ -8,6 +8,7 @@ from .checkpointing import (
     save_optimizer,
     sharded_state_dict,
 )
+from .dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner, GlobalChunks
 from .distributed.ddp import DistributedDataParallel, is_expert_param
 from .distributed.ddp_config import DDPConfig
 from .distributed.finalize import allreduce_grads, finalize_model_grads
@@ -33,6 +34,9 @@ from .scheduler import OptimizerParamScheduler
 __version__ = "0.1.1"
 
 __all__ = [
+    "ChunkLoadPlanner",
+    "ChunkSavePlanner",
+    "GlobalChunks",
     "Bucket",
     "BufferLayout",
     "CheckpointMismatchError",

@@ -35,26 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from pentatron.parallel_state import comm
 
+from .dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner, GlobalChunks
 from .optimizer.mixed_precision import MainParam, MixedPrecisionOptimizer
 
 FORMAT_VERSION = 1
@@ -64,89 +51,25 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit the model/optimizer it is loaded into (names or shapes)."""
 
 
-# --- flat pieces and the DCP planners that understand them ------------------------------
-@dataclass
-class FlatPieces:
+# --- flat pieces: 1-D chunks for the n-D chunk planners of dcp_chunks ------------------
+class FlatPieces(GlobalChunks):
     """This rank's pieces of one flattened tensor of `numel` elements: (offset, 1-D view)."""
 
-    numel: int
-    pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    def __init__(self, numel: int, pieces: Iterable[tuple[int, torch.Tensor]] = ()) -> None:
+        super().__init__((numel,))
+        for offset, t in pieces:
+            self.add_piece(offset, t)
 
-    def piece(self, offset: int) -> torch.Tensor:
-        for off, t in self.pieces:
-            if off == offset:
-                return t
-        raise KeyError(offset)
+    @property
+    def numel(self) -> int:
+        return self.size[0]
 
+    @property
+    def pieces(self) -> list[tuple[int, torch.Tensor]]:
+        return [(o[0], t) for o, t in self.chunks]
 
-def _write_item(fqn: str, offsets: list[int], t: torch.Tensor, size: torch.Size) -> WriteItem:
-    kind = WriteItemType.SHARD if len(size) and t.size() != size else WriteItemType.TENSOR
-    return WriteItem(
-        index=MetadataIndex(fqn, torch.Size(offsets)),
-        type=kind,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size()),
-            properties=TensorProperties.create_from_tensor(t),
-            size=size,
-        ),
-    )
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """Plain tensors as whole tensors (deduplicated across ranks), `FlatPieces` as chunks."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, obj in self.state_dict.items():
-            if isinstance(obj, FlatPieces):
-                size = torch.Size([obj.numel])
-                items += [_write_item(fqn, [off], t, size) for off, t in obj.pieces]
-            else:
-                items.append(_write_item(fqn, [0] * obj.dim(), obj, obj.size()))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        obj = self.state_dict[write_item.index.fqn]
-        if isinstance(obj, FlatPieces):
-            obj = obj.piece(write_item.index.offset[0])
-        return obj.detach().clone()  # torch.save of a view would write its whole storage
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """Reads each rank's `FlatPieces` (and plain tensors) in place, at any saved layout."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator=False
-    ) -> None:
-        self.state_dict = self.original_state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        requests: list[ReadItem] = []
-        for fqn, obj in self.state_dict.items():
-            md = self.metadata.state_dict_metadata[fqn]  # presence checked before loading
-            if isinstance(obj, FlatPieces):
-                chunks = [
-                    ChunkStorageMetadata(torch.Size([off]), t.size()) for off, t in obj.pieces
-                ]
-            else:
-                chunks = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
-            requests += create_read_items_for_chunk_list(fqn, md, chunks)
-        return LoadPlan(requests)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        if isinstance(obj, FlatPieces):
-            return obj.piece(index.offset[0])
-        return obj
+    def add_piece(self, offset: int, t: torch.Tensor) -> None:
+        self.add((offset,), t)
 
 
 # --- what this rank owns ----------------------------------------------------------------
@@ -237,7 +160,7 @@ def sharded_state_dict(optimizer: MixedPrecisionOptimizer, prefix: str = "") -> 
                     sd[f"{key}/state/{k}"] = v.detach().clone()
                 elif v.numel() == mp.main.numel():
                     flat = sd.setdefault(f"{key}/state/{k}", FlatPieces(numel))
-                    flat.pieces.append((offset, v.view(-1)))
+                    flat.add_piece(offset, v.view(-1))
                 else:
                     raise TypeError(
                         f"optimizer state {name}/{k} has shape {tuple(v.shape)}: only "
@@ -277,7 +200,7 @@ def save_optimizer(
     dcp.save(
         sharded_state_dict(optimizer, prefix),
         storage_writer=FileSystemWriter(tmp),
-        planner=_SavePlanner(),
+        planner=ChunkSavePlanner(),
         process_group=group,
     )
     comm.barrier(group)  # every rank's files are written before the rename
@@ -338,7 +261,10 @@ def load_optimizer(
         f"{prefix}param/{n}/shape": torch.zeros(len(s), dtype=torch.int64) for n, s in names.items()
     }
     dcp.load(
-        shapes, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), process_group=group
+        shapes,
+        storage_reader=FileSystemReader(path),
+        planner=ChunkLoadPlanner(),
+        process_group=group,
     )
     for key, saved in shapes.items():
         name = key[len(prefix) + len("param/") : -len("/shape")]
@@ -364,7 +290,7 @@ def load_optimizer(
             flat = sd.setdefault(f"{key}/state/{k}", FlatPieces(numel))
             for offset, mp in entry.pieces:
                 t = torch.zeros(mp.main.numel(), dtype=dtype, device=mp.main.device)
-                flat.pieces.append((offset, t))
+                flat.add_piece(offset, t)
                 new_state.setdefault(id(mp.main), {})[k] = t.view_as(mp.main)
     groups = optimizer.optimizer.param_groups
     for i, g in enumerate(groups):
@@ -377,7 +303,9 @@ def load_optimizer(
     if optimizer.grad_scaler is not None:
         for k in scaler_keys:
             sd[k] = torch.zeros((), dtype=torch.float64)
-    dcp.load(sd, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), process_group=group)
+    dcp.load(
+        sd, storage_reader=FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=group
+    )
 
     for key, mp, k in scalars:
         new_state.setdefault(id(mp.main), {})[k] = sd[key].clone()

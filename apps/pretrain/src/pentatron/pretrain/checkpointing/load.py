@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from pentatron.optim.dcp_chunks import ChunkLoadPlanner
 from pentatron.parallel_state import ProcessGrid, comm
 
 from . import layout
@@ -30,7 +31,6 @@ from .common_state import (
 from .common_state import layout as grid_layout
 from .model_state import model_load_entries
 from .optimizer_state import OptimizerLoad, refresh_main_from_model
-from .planner import ChunkLoadPlanner
 from .rng_state import restore_rng, rng_load_entries
 
 logger = logging.getLogger("pentatron.pretrain")

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pentatron.optim.dcp_chunks import GlobalChunks
 from pentatron.parallel_state import ProcessGrid
 
-from .planner import GlobalChunks
 from .rectangles import Rect, param_rects, shard_info
 
 PREFIX = "model/"

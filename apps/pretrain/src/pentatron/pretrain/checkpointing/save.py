@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from pentatron.optim.dcp_chunks import ChunkSavePlanner
 from pentatron.parallel_state import ProcessGrid, comm
 
 from . import layout
@@ -26,7 +27,6 @@ from .common_state import layout as grid_layout
 from .common_state import model_fields, write_common
 from .model_state import model_save_entries
 from .optimizer_state import groups_state, optimizer_save_entries
-from .planner import ChunkSavePlanner
 from .rng_state import capture_rng
 
 

@@ -1,5 +1,8 @@
 """DCP planners for n-D chunks of global tensors, written and read in place.
 
+Shared by the optimizer checkpoints here (flat pieces: 1-D chunks) and the training app's
+model/optimizer checkpoints (tp-shard rectangles).
+
 A state dict here maps a key to a plain tensor (stored whole) or to `GlobalChunks`: this
 rank's rectangles of a global tensor of shape `size`, each `(offsets, tensor)`. Every rank
 lists only the chunks it writes (a value lives on exactly one writer), and DCP checks that
