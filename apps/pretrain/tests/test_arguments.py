@@ -68,6 +68,8 @@ def test_derived_values_for_the_readme_layout():
         (["--fp8-format", "hybrid"], 1, "--fp8-format"),
         (["--num-experts", "4"], 1, "--num-experts"),
         (["--save-interval", "5"], 1, "--save-interval"),  # without --save
+        (["--async-save", "--save", "/tmp/x"], 1, "--async-save"),  # not in this release
+        (["--device", "cuda"], 1, "--device"),  # this machine has no GPU
         (
             [
                 "--sequence-parallel",
@@ -115,3 +117,21 @@ def test_main_reports_bad_flags_and_exits_2(capsys, monkeypatch):
     assert main([*BASE, "--global-batch-size", "6"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pentatron-pretrain: error: --global-batch-size=6")
+
+
+@pytest.mark.parametrize(
+    ("name", "world"), [("quickstart-cpu.yaml", 8), ("llama3-8b-like.yaml", 64)]
+)
+def test_example_configs_validate(name, world):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "configs" / name
+    cuda = "llama" in name  # a GPU run: validated as on a CUDA machine
+    args = validate_args(parse_args(["--config", str(path), "--mock-data"]), world, cuda=cuda)
+    assert (
+        args.data_parallel_size
+        * args.tensor_model_parallel_size
+        * (args.pipeline_model_parallel_size)
+        == world
+    )
+    assert args.num_microbatches >= args.pipeline_model_parallel_size

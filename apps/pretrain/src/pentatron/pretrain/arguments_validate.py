@@ -238,6 +238,15 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
         _fail(
             "enable-cuda-graph", True, "CUDA graph capture is not in this release", "drop the flag"
         )
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        _fail(
+            "fp8-format",
+            args.fp8_format,
+            "FP8 runs through the transformer-engine spec",
+            "add --transformer-impl transformer_engine",
+        )
+    if args.device == "cuda" and not cuda:
+        _fail("device", "cuda", "torch sees no CUDA device here", "use --device cpu or auto")
     if args.fp16 and not cuda:
         _fail(
             "fp16",
@@ -268,8 +277,13 @@ def _data_and_checkpoints(args: argparse.Namespace) -> None:
             )
     if args.save_interval is not None and args.save is None:
         _fail("save-interval", args.save_interval, "needs --save", "pass --save DIR")
-    if args.async_save and args.save is None:
-        _fail("async-save", True, "needs --save", "pass --save DIR")
+    if args.async_save:
+        _fail(
+            "async-save",
+            True,
+            "asynchronous checkpoint writes are not in this release",
+            "drop the flag (saves are synchronous and atomic)",
+        )
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False):

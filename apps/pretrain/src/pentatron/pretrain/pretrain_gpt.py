@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pentatron.models import GPTModel, get_gpt_layer_local_spec
+from pentatron.models import GPTModel, get_gpt_layer_local_spec, get_gpt_layer_te_spec
 
 from .arguments import ArgumentError, parse_args, validate_args
 from .gpt_step import make_forward_step
@@ -64,9 +64,11 @@ def build_tokenizer_for(args: argparse.Namespace):
 def model_provider(
     args, grid, vocab_size: int, pre_process: bool, post_process: bool, vp_stage: int | None = None
 ) -> GPTModel:
+    te = args.transformer_impl == "transformer_engine"
+    spec = (get_gpt_layer_te_spec if te else get_gpt_layer_local_spec)(args.qk_layernorm)
     return GPTModel(
         configs.transformer_config(args),
-        get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm),
+        spec,
         vocab_size,
         args.max_position_embeddings,
         pre_process=pre_process,

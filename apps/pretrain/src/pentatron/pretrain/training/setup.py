@@ -24,7 +24,8 @@ from .init_weights import init_weights_layout_independent
 
 def initialize(args: argparse.Namespace) -> ProcessGrid:
     """The process grid from torchrun's environment, then Megatron's seeding."""
-    grid = initialize_model_parallel(configs.parallel_config(args))
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device)  # auto: CUDA when present
+    grid = initialize_model_parallel(configs.parallel_config(args), backend=backend)
     seed = args.seed + 100 * grid.rank("pp")
     random.seed(seed)
     np.random.seed(seed)
