@@ -76,8 +76,9 @@ def typecheck(session: nox.Session) -> None:
 def standalone(session: nox.Session, member: str) -> None:
     """Build every wheel, install this member's alone (only its declared deps) and test it.
 
-    The tests are copied out of the tree and run from a temporary folder, so nothing can be
-    imported from the source checkout by accident.
+    The tests (and the member's examples/, which some tests run) are copied out of the tree
+    and run from a temporary folder, so nothing can be imported from the source checkout by
+    accident.
     """
     target = BY_FOLDER[member]
     dist = Path(session.create_tmp()) / "dist"
@@ -90,6 +91,8 @@ def standalone(session: nox.Session, member: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tests_copy = Path(tmp) / "tests"
         shutil.copytree(target.path / "tests", tests_copy)
+        if (target.path / "examples").is_dir():  # some tests run the package's examples
+            shutil.copytree(target.path / "examples", Path(tmp) / "examples")
         session.chdir(tmp)
         module = "pentatron." + target.folder.replace("-", "_")
         session.run(

@@ -126,6 +126,8 @@ def test_example_configs_validate(name, world):
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[3] / "examples" / "configs" / name
+    if not path.is_file():
+        pytest.skip("examples/ lives in the repository, not in the wheel's test copy")
     cuda = "llama" in name  # a GPU run: validated as on a CUDA machine
     args = validate_args(parse_args(["--config", str(path), "--mock-data"]), world, cuda=cuda)
     assert (
