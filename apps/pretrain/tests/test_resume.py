@@ -12,74 +12,25 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 import torch
 
-ARGS = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--swiglu",
-    "--ffn-hidden-size",
-    "64",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "255",
-    "--make-vocab-size-divisible-by",
-    "32",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--log-interval",
-    "1",
-    "--no-progress",
-    "--use-distributed-optimizer",
-]
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _app import TINY_GPT, TP2_PP2, last_stage, train
+
+ARGS = [*TINY_GPT, "--seed", "5", "--use-distributed-optimizer"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-
-
-def _run(argv):
-    import torch.distributed as dist
-
-    from pentatron.parallel_state import destroy_model_parallel
-    from pentatron.pretrain.arguments import parse_args, validate_args
-    from pentatron.pretrain.pretrain_gpt import pretrain
-
-    args = validate_args(parse_args(argv), dist.get_world_size())
-    try:
-        return pretrain(args).losses
-    finally:
-        destroy_model_parallel()
-
-
-def _last_stage(per_rank):
-    out = [r for r in per_rank if r and r[0] is not None]
-    assert out, "no rank of the last pipeline stage reported losses"
-    return out
 
 
 def _exact_resume(root):
     argv = ARGS + DROPOUT + TP2_PP2 + ["--train-iters", "12"]
-    full = _run(argv)
+    full = train(argv)
     ckpt = os.path.join(root, "ckpt")
-    first = _run([*argv, "--exit-interval", "6", "--save", ckpt])
-    second = _run([*argv, "--load", ckpt, "--save", ckpt])
+    first = train([*argv, "--exit-interval", "6", "--save", ckpt])
+    second = train([*argv, "--load", ckpt, "--save", ckpt])
     return full, first, second
 
 
@@ -100,9 +51,9 @@ def saved_at_tp2_pp2_dp2(distributed, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard"))
     ckpt = os.path.join(root, "ckpt")
     per_rank = distributed.run(
-        8, _run, ARGS + TP2_PP2 + ["--train-iters", "7", "--save", ckpt, "--save-interval", "6"]
+        8, train, ARGS + TP2_PP2 + ["--train-iters", "7", "--save", ckpt, "--save-interval", "6"]
     )
-    reference = _last_stage(per_rank)[0]
+    reference = last_stage(per_rank)[0]
     return ckpt, reference
 
 
@@ -114,13 +65,13 @@ def saved_at_tp2_pp2_dp2(distributed, tmp_path_factory):
     ],
     ids=["tp1-pp1-dp4", "tp4-pp2-dp1"],
 )
-def test_resharded_resume_continues_the_run(distributed, saved_at_tp2_pp2_dp2, world, layout):
+def test_resharded_resume_continues_thetrain(distributed, saved_at_tp2_pp2_dp2, world, layout):
     # Without dropout: its masks depend on the layout (one stream per tp rank).
     ckpt, reference = saved_at_tp2_pp2_dp2
     per_rank = distributed.run(
-        world, _run, ARGS + layout + ["--train-iters", "7", "--load", ckpt, "--ckpt-step", "6"]
+        world, train, ARGS + layout + ["--train-iters", "7", "--load", ckpt, "--ckpt-step", "6"]
     )
-    for losses in _last_stage(per_rank):
+    for losses in last_stage(per_rank):
         assert len(losses) == 1
         torch.testing.assert_close(
             torch.tensor(losses[0]), torch.tensor(reference[6]), rtol=1e-5, atol=0.0
@@ -182,6 +133,6 @@ def test_nan_loss_stops_every_rank_and_keeps_the_checkpoint(distributed, tmp_pat
 def test_nan_loss_skip_goes_on(distributed, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("nan"))
     results = distributed.run(8, _nan_at, 3, root, "skip")
-    for r in _last_stage([r["losses"] for r in results]):
+    for r in last_stage([r["losses"] for r in results]):
         assert len(r) == 6 and math.isnan(r[2])
         assert all(math.isfinite(v) for i, v in enumerate(r) if i != 2)
