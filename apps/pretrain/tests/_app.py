@@ -4,7 +4,37 @@ from __future__ import annotations
 
 # 4 layers, hidden 32, SwiGLU; 255 + 1 tokens pad to 256 at every tp (so the loss does not
 # depend on the layout's vocabulary padding); 8 micro-batches of 2 per step at dp=1.
-TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--swiglu", "--ffn-hidden-size", "64", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--vocab-size", "255", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress"]
+TINY_GPT = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--swiglu",
+    "--ffn-hidden-size",
+    "64",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "255",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--no-progress",
+]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
