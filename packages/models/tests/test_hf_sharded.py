@@ -78,7 +78,13 @@ def _rank_forward(path, tp, pp):
             model.set_input_tensor(hidden)
             logits = model(None, None, gather_logits=True)[..., :V]
     layers = sorted({int(n.split(".")[2]) for n in reads if n.startswith("model.layers.")})
-    return {"logits": logits, "hf": to_hf(model), "layers": layers, "pp_rank": grid.pp_rank}
+    return {
+        "logits": logits,
+        "hf": to_hf(model),
+        "hf_all": to_hf(model, gather_pipeline=True),
+        "layers": layers,
+        "pp_rank": grid.pp_rank,
+    }
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -108,3 +114,7 @@ def test_sharded_load_tp2_pp2_matches_single_process(distributed, tmp_path, tied
     assert set(merged) == set(ref)
     for name, t in ref.items():
         assert torch.equal(merged[name], t), name
+    for res in results:  # gather_pipeline: the whole dict on every rank, bit for bit
+        assert set(res["hf_all"]) == set(ref)
+        for name, t in ref.items():
+            assert torch.equal(res["hf_all"][name], t), name

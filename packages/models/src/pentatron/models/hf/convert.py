@@ -1,7 +1,8 @@
 """`from_hf`, `to_hf` and the sharded load of a Hugging Face Llama checkpoint.
 
     from_hf(hf_model) -> GPTModel          every parameter copied from the HF tensors
-    to_hf(model) -> {hf_name: tensor}      tp shards all-gathered (tp group), padding dropped
+    to_hf(model) -> {hf_name: tensor}      tp shards all-gathered (tp group), padding dropped;
+                                           gather_pipeline=True: every stage's part, everywhere
     load_hf_checkpoint_shard(dir, grid)    this rank's chunk, reading only its slices
     hf_shard_state_dict(source, ...)       the same tensors for any (tp, pp) rank, no groups
 
@@ -213,13 +214,17 @@ def _gather_tp(name: str, t: torch.Tensor, model: GPTModel) -> torch.Tensor:
 
 
 @torch.no_grad()
-def to_hf(model: GPTModel | list[GPTModel]) -> dict[str, torch.Tensor]:
+def to_hf(
+    model: GPTModel | list[GPTModel], *, gather_pipeline: bool = False
+) -> dict[str, torch.Tensor]:
     """The Hugging Face state dict of `model` (a chunk, or this rank's list of chunks).
 
     Tensor-parallel shards are all-gathered over tp (`[.../t]` -> all-gather(tp) -> full),
     so every tp rank returns the same dict. With pp > 1 it holds this rank's layers only
-    (see the module docstring). Tied embeddings give `lm_head.weight` equal to
-    `model.embed_tokens.weight`, as `LlamaForCausalLM.state_dict()` does.
+    (see the module docstring), unless `gather_pipeline`: then every stage's tensors are
+    broadcast over the pp group and every rank returns the whole dict (a collective over
+    pp; memory: the full model on every rank). Tied embeddings give `lm_head.weight` equal
+    to `model.embed_tokens.weight`, as `LlamaForCausalLM.state_dict()` does.
     """
     chunks = model if isinstance(model, (list, tuple)) else [model]
     out: dict[str, torch.Tensor] = {}
@@ -229,4 +234,49 @@ def to_hf(model: GPTModel | list[GPTModel]) -> dict[str, torch.Tensor]:
             for local, t in chunk.state_dict().items()
         }
         out.update(full_to_hf(full, chunk.config, chunk.vocab_size))
+    par = chunks[0].parallel
+    if gather_pipeline and par.pp_size > 1:
+        out = _gather_pipeline(out, par.grid)
+    return out
+
+
+def _broadcast_tensor(t: torch.Tensor | None, src: int, group: Any, dtype, shape) -> torch.Tensor:
+    buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype)
+    comm.broadcast(buf, src=src, group=group)
+    return buf
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _gather_pipeline(mine: dict[str, torch.Tensor], grid: ProcessGrid) -> dict[str, torch.Tensor]:
+    """The union of every pp stage's dict, on every stage (tensors only, no pickling).
+
+    Per stage in turn: a header (count), then per tensor its name as uint8, its dtype code,
+    ndim and shape as int64, and the data."""
+    group, me = grid.group("pp"), grid.rank("pp")
+    out: dict[str, torch.Tensor] = {}
+    for stage, src in enumerate(grid.ranks("pp")):
+        sending = stage == me
+        items = list(mine.items()) if sending else []
+        count = _broadcast_tensor(
+            torch.tensor([len(items)]) if sending else None, src, group, torch.int64, (1,)
+        )
+        for i in range(int(count)):
+            name, t = items[i] if sending else (None, None)
+            raw = torch.tensor(list(name.encode())) if sending else None
+            n = _broadcast_tensor(
+                torch.tensor([raw.numel()]) if sending else None, src, group, torch.int64, (1,)
+            )
+            raw = _broadcast_tensor(
+                raw.to(torch.uint8) if sending else None, src, group, torch.uint8, (int(n),)
+            )
+            meta = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape]) if sending else None
+            head = _broadcast_tensor(meta[:2] if sending else None, src, group, torch.int64, (2,))
+            dtype, ndim = _DTYPES[int(head[0])], int(head[1])
+            shape = _broadcast_tensor(
+                meta[2:] if sending else None, src, group, torch.int64, (ndim,)
+            )
+            data = _broadcast_tensor(t, src, group, dtype, tuple(int(d) for d in shape))
+            out[bytes(raw.tolist()).decode()] = data if not sending else t
     return out
