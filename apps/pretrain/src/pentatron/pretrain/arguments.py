@@ -123,7 +123,12 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True)
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="skip the per-step finiteness check of the grads (the loss is always checked)",
+    )
     g.add_argument(
         "--on-nan-loss",
         default="stop",

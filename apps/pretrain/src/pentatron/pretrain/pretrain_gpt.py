@@ -17,6 +17,7 @@ import sys
 from functools import partial
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pentatron.models import GPTModel, get_gpt_layer_local_spec, get_gpt_layer_te_spec
@@ -239,20 +240,11 @@ def default_logger(args, grid, chunks):
 def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        args = validate_args(parse_args(argv), world, cuda=_cuda(args_device=None))
+        args = validate_args(parse_args(argv), world, cuda=torch.cuda.is_available())
     except ArgumentError as e:
         print(f"pentatron-pretrain: error: {e}", file=sys.stderr)
         return 2
     state = pretrain(args)
-    print(f"done: {state.iteration} iterations ({state.exit_reason})") if _is_rank0() else None
+    if dist.get_rank() == 0:
+        print(f"done: {state.iteration} iterations ({state.exit_reason})")
     return 0
-
-
-def _cuda(args_device) -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pentatron.optim import DistributedDataParallel, get_optimizer
-from pentatron.parallel_state import ProcessGrid, comm, initialize_model_parallel
+from pentatron.parallel_state import ProcessGrid, initialize_model_parallel
 from pentatron.tp_layers import model_parallel_seed
 
 from . import configs
@@ -64,22 +64,6 @@ def setup_model_and_optimizer(model_provider, args, grid):
     optimizer = get_optimizer(configs.optimizer_config(args), chunks, grid=grid)
     scheduler = configs.scheduler(args, optimizer)
     return chunks, optimizer, scheduler
-
-
-def count_parameters(chunks, grid: ProcessGrid) -> dict[str, int]:
-    """Parameters on this rank, and in the whole model (tp shards summed, tied copy once)."""
-    local = sum(p.numel() for c in chunks for p in c.module.parameters())
-    unique = sum(
-        p.numel()
-        for c in chunks
-        for n, p in c.module.named_parameters()
-        if not getattr(p, "shared", False)
-        and (getattr(p, "tensor_model_parallel", False) or grid.rank("tp") == 0)
-    )
-    # One dp replica's ranks cover the model exactly once.
-    t = torch.tensor([unique if grid.rank("dp") == 0 else 0], dtype=torch.int64)
-    comm.all_reduce(t)
-    return {"this_rank": local, "total": int(t)}
 
 
 def build_iterators(loader_factory: Callable[[], Any], args, grid) -> list[Any]:
