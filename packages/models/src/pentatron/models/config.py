@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from pentatron.pipeline import PipelineConfigError, StageLayout
 
+from .config_checks import ModelConfigError, check_context_parallel, check_moe, fail
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
@@ -23,12 +25,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 
 
-class ModelConfigError(ValueError):
-    """A model setting that cannot work; the message names the field, the rule and a fix."""
-
-
-def _fail(field_name: str, value: Any, rule: str, fix: str) -> None:
-    raise ModelConfigError(f"{field_name}={value!r}: the rule: {rule}; fix: {fix}")
+_fail = fail
 
 
 def _positive_int(name: str, value: Any, optional: bool = False) -> None:
@@ -111,6 +108,35 @@ class TransformerConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    # --- context parallelism (validated in config_checks.check_context_parallel) ---
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # "p2p" (ring) | "all_gather" | "a2a" (Ulysses)
+    # --- Mixture of Experts (validated in config_checks.check_moe); None: dense ---
+    num_moe_experts: int | None = None
+    moe_layer_freq: int | list[int] = 1  # every n-th layer is MoE, or a 0/1 list per layer
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss|seq_aux_loss|sinkhorn|none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_input_jitter_eps: float | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"  # "probs" | "position"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False  # sigmoid(x @ gate) scales the shared output (Qwen2-MoE)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: tensor_model_parallel_size
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -124,6 +150,8 @@ class TransformerConfig:
         self._check_rope()
         self._check_recompute()
         self._check_pipeline()
+        check_context_parallel(self)
+        check_moe(self)
 
     # --- defaults and simple checks ------------------------------------------------------------
     def _fill_defaults(self) -> None:
@@ -306,6 +334,31 @@ class TransformerConfig:
     @property
     def kv_projection_size(self) -> int:
         return self.kv_channels * self.num_query_groups
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    @property
+    def expert_tp_size(self) -> int:
+        """expert_tensor_parallel_size, defaulting to tensor_model_parallel_size."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Hidden units of one routed expert (moe_ffn_hidden_size, else ffn_hidden_size)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def moe_layer_pattern(self) -> list[bool]:
+        """Per global layer (0-based): True where the MLP is a MoE layer."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return [i % freq == 0 for i in range(self.num_layers)]
+        return [bool(x) for x in freq]
 
     @property
     def share_embeddings_and_output_weights(self) -> bool:

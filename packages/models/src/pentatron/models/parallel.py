@@ -29,6 +29,9 @@ class ModelParallel:
     pp_rank: int
     vp_stage: int | None
     vpp: int | None
+    cp_size: int = 1
+    ep_size: int = 1
+    etp_size: int = 1
 
     @classmethod
     def resolve(
@@ -36,7 +39,7 @@ class ModelParallel:
     ) -> ModelParallel:
         grid = _default_grid(grid)
         if grid is None:
-            ctx = cls(None, None, 1, 0, 1, 0, vp_stage, None)
+            ctx = cls(None, None, 1, 0, 1, 0, vp_stage, None, 1, 1, config.expert_tp_size)
         else:
             ctx = cls(
                 grid,
@@ -47,6 +50,9 @@ class ModelParallel:
                 grid.rank("pp"),
                 vp_stage,
                 grid.layout.vpp,
+                grid.size("cp"),
+                grid.size("ep"),
+                grid.size("etp"),
             )
         ctx.check(config)
         return ctx
@@ -60,6 +66,9 @@ class ModelParallel:
                 config.virtual_pipeline_model_parallel_size,
                 self.vpp if self.grid is not None else config.virtual_pipeline_model_parallel_size,
             ),
+            ("context_parallel_size", config.context_parallel_size, self.cp_size),
+            ("expert_model_parallel_size", config.expert_model_parallel_size, self.ep_size),
+            ("expert_tensor_parallel_size", config.expert_tp_size, self.etp_size),
         )
         for name, want, got in pairs:
             if want != got:
@@ -90,6 +99,13 @@ class ModelParallel:
 
     def is_last_stage(self, chunks: int) -> bool:
         return self.pp_rank == self.pp_size - 1 and self.chunk == chunks - 1
+
+    def group(self, name: str) -> Any:
+        """A grid group by name ("cp", "ep", "etp", "tp-cp", ...); None for one process."""
+        return None if self.grid is None else self.grid.group(name)
+
+    def rank(self, name: str) -> int:
+        return 0 if self.grid is None else self.grid.rank(name)
 
     def embedding_group(self) -> Any:
         """The group of the first and last pipeline stage holding this rank (or None)."""

@@ -1,0 +1,249 @@
+"""Validation of TransformerConfig's context-parallel and Mixture-of-Experts fields.
+
+Kept apart from `config.py` so the dense checks stay one screen each; every check raises
+`ModelConfigError` naming the field, the rule and a fix, before any process group exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+TOKEN_DROP_POLICIES = ("probs", "position")
+TOKEN_DISPATCHERS = ("allgather", "alltoall")
+
+
+class ModelConfigError(ValueError):
+    """A model setting that cannot work; the message names the field, the rule and a fix."""
+
+
+def fail(field_name: str, value: Any, rule: str, fix: str) -> None:
+    raise ModelConfigError(f"{field_name}={value!r}: the rule: {rule}; fix: {fix}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < 1:
+        fail(name, value, "must be a positive integer", f"set {name} >= 1")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        fail(name, value, f"one of {allowed}", f"set {name} to one of {allowed}")
+
+
+def _non_negative(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, (int, float)) or value < 0:
+        fail(name, value, "a number >= 0", f"e.g. {name}=0.0")
+
+
+def check_context_parallel(c: Any) -> None:
+    cp = c.context_parallel_size
+    _positive("context_parallel_size", cp)
+    _choice("cp_comm_type", c.cp_comm_type, CP_COMM_TYPES)
+    if cp > 1 and c.cp_comm_type == "a2a":
+        split = c.tensor_model_parallel_size * cp
+        for name in ("num_attention_heads", "num_query_groups"):
+            value = getattr(c, name)
+            if value % split:
+                fail(
+                    name,
+                    value,
+                    f"cp_comm_type='a2a' shards heads over tp*cp = {split}, so {name} must be "
+                    "a multiple of it",
+                    "use cp_comm_type='p2p' or 'all_gather', or a context_parallel_size that "
+                    f"divides {name} / tp",
+                )
+
+
+def check_moe(c: Any) -> None:
+    if c.num_moe_experts is None:
+        _check_dense_has_no_experts(c)
+        return
+    experts = c.num_moe_experts
+    _positive("num_moe_experts", experts)
+    _check_router(c, experts)
+    _check_capacity(c)
+    _choice("moe_token_dispatcher_type", c.moe_token_dispatcher_type, TOKEN_DISPATCHERS)
+    _check_expert_parallel(c, experts)
+    _check_layer_freq(c)
+    _positive("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size, True)
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None and shared % c.tensor_model_parallel_size:
+        fail(
+            "moe_shared_expert_intermediate_size",
+            shared,
+            "shared experts are split like the dense MLP, so the size must be a multiple of "
+            f"tensor_model_parallel_size={c.tensor_model_parallel_size}",
+            "choose a multiple of tp",
+        )
+    if c.moe_shared_expert_overlap and (
+        shared is None or c.moe_token_dispatcher_type != "alltoall"
+    ):
+        fail(
+            "moe_shared_expert_overlap",
+            True,
+            "overlapping the shared expert with the dispatch needs shared experts and the "
+            "alltoall dispatcher",
+            "set moe_shared_expert_intermediate_size and moe_token_dispatcher_type='alltoall', "
+            "or moe_shared_expert_overlap=False",
+        )
+
+
+def _check_dense_has_no_experts(c: Any) -> None:
+    if c.expert_model_parallel_size != 1:
+        fail(
+            "expert_model_parallel_size",
+            c.expert_model_parallel_size,
+            "expert parallelism needs experts",
+            "set num_moe_experts or expert_model_parallel_size=1",
+        )
+
+
+def _check_router(c: Any, experts: int) -> None:
+    topk = c.moe_router_topk
+    _positive("moe_router_topk", topk)
+    if topk > experts:
+        fail(
+            "moe_router_topk",
+            topk,
+            f"each token picks topk of num_moe_experts={experts} experts",
+            f"set moe_router_topk <= {experts}",
+        )
+    _choice("moe_router_score_function", c.moe_router_score_function, SCORE_FUNCTIONS)
+    _choice(
+        "moe_router_load_balancing_type", c.moe_router_load_balancing_type, LOAD_BALANCING_TYPES
+    )
+    if c.moe_router_pre_softmax and c.moe_router_score_function != "softmax":
+        fail(
+            "moe_router_pre_softmax",
+            True,
+            "pre-softmax routing applies to the softmax score function",
+            "set moe_router_score_function='softmax' or moe_router_pre_softmax=False",
+        )
+    scale = c.moe_router_topk_scaling_factor
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        fail("moe_router_topk_scaling_factor", scale, "None or > 0", "e.g. 1.0 or None")
+    _non_negative("moe_aux_loss_coeff", c.moe_aux_loss_coeff)
+    _non_negative("moe_z_loss_coeff", c.moe_z_loss_coeff, optional=True)
+    if c.moe_router_load_balancing_type == "sinkhorn" and c.moe_aux_loss_coeff:
+        fail(
+            "moe_aux_loss_coeff",
+            c.moe_aux_loss_coeff,
+            "sinkhorn routing balances without an aux loss",
+            "set moe_aux_loss_coeff=0 with moe_router_load_balancing_type='sinkhorn'",
+        )
+    rate = c.moe_router_bias_update_rate
+    if not (isinstance(rate, (int, float)) and rate > 0):
+        fail("moe_router_bias_update_rate", rate, "> 0", "e.g. 1e-3")
+    eps = c.moe_input_jitter_eps
+    if eps is not None and not (isinstance(eps, (int, float)) and eps > 0):
+        fail("moe_input_jitter_eps", eps, "None or > 0", "e.g. 1e-2 or None")
+    _check_groups(c, experts, topk)
+
+
+def _check_groups(c: Any, experts: int, topk: int) -> None:
+    groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk
+    if groups is None and group_topk is None:
+        return
+    if groups is None or group_topk is None:
+        fail(
+            "moe_router_group_topk" if groups is not None else "moe_router_num_groups",
+            None,
+            "group-limited routing needs both moe_router_num_groups and moe_router_group_topk",
+            "set both (e.g. num_groups=8, group_topk=4) or neither",
+        )
+    _positive("moe_router_num_groups", groups)
+    _positive("moe_router_group_topk", group_topk)
+    if experts % groups:
+        fail(
+            "moe_router_num_groups",
+            groups,
+            f"groups split num_moe_experts={experts} evenly",
+            f"use a divisor of {experts}",
+        )
+    if group_topk > groups:
+        fail(
+            "moe_router_group_topk",
+            group_topk,
+            f"at most moe_router_num_groups={groups}",
+            f"set moe_router_group_topk <= {groups}",
+        )
+    if topk > group_topk * (experts // groups):
+        fail(
+            "moe_router_topk",
+            topk,
+            f"the chosen groups hold group_topk * experts/groups = {group_topk * (experts // groups)} "
+            "experts, at least topk",
+            "raise moe_router_group_topk or lower moe_router_topk",
+        )
+
+
+def _check_capacity(c: Any) -> None:
+    cf = c.moe_expert_capacity_factor
+    if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
+        fail("moe_expert_capacity_factor", cf, "None (no dropping) or > 0", "e.g. 1.0")
+    _choice("moe_token_drop_policy", c.moe_token_drop_policy, TOKEN_DROP_POLICIES)
+    if cf is not None and c.moe_router_load_balancing_type == "sinkhorn":
+        fail(
+            "moe_expert_capacity_factor",
+            cf,
+            "token dropping works with aux_loss, seq_aux_loss or none balancing",
+            "unset the capacity factor or change moe_router_load_balancing_type",
+        )
+    if c.moe_pad_expert_input_to_capacity and cf is None:
+        fail(
+            "moe_pad_expert_input_to_capacity",
+            True,
+            "padding to capacity needs a capacity",
+            "set moe_expert_capacity_factor or moe_pad_expert_input_to_capacity=False",
+        )
+
+
+def _check_expert_parallel(c: Any, experts: int) -> None:
+    ep = c.expert_model_parallel_size
+    _positive("expert_model_parallel_size", ep)
+    _positive("expert_tensor_parallel_size", c.expert_tensor_parallel_size, optional=True)
+    if experts % ep:
+        fail(
+            "num_moe_experts",
+            experts,
+            f"experts are split evenly over expert_model_parallel_size={ep}",
+            f"use a number of experts that is a multiple of {ep}, or an ep that divides {experts}",
+        )
+    _positive("moe_ffn_hidden_size", c.moe_ffn_hidden_size, optional=True)
+    etp, ffn = c.expert_tp_size, c.moe_ffn_size
+    if ffn % etp:
+        fail(
+            "moe_ffn_hidden_size",
+            ffn,
+            f"an expert's hidden units are split over expert_tensor_parallel_size={etp}",
+            "choose a multiple of the expert tensor-parallel size",
+        )
+
+
+def _check_layer_freq(c: Any) -> None:
+    freq, n = c.moe_layer_freq, c.num_layers
+    if _is_int(freq):
+        _positive("moe_layer_freq", freq)
+        return
+    if (
+        not isinstance(freq, (list, tuple))
+        or len(freq) != n
+        or any(x not in (0, 1) or isinstance(x, float) for x in freq)
+    ):
+        fail(
+            "moe_layer_freq",
+            freq,
+            f"an int n (every n-th layer is MoE) or a list of num_layers={n} zeros and ones",
+            "e.g. moe_layer_freq=[0] + [1] * (num_layers - 1) for a first dense layer",
+        )
