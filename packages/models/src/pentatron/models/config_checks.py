@@ -76,6 +76,14 @@ def check_moe(c: Any) -> None:
     _choice("moe_token_dispatcher_type", c.moe_token_dispatcher_type, TOKEN_DISPATCHERS)
     _check_expert_parallel(c, experts)
     _check_layer_freq(c)
+    if c.tensor_model_parallel_size > 1 and not c.sequence_parallel:
+        fail(
+            "sequence_parallel",
+            False,
+            "MoE with tensor_model_parallel_size > 1 needs sequence parallelism (as Megatron): "
+            "the router and dispatcher work on each rank's [s/t, b, h] tokens",
+            "set sequence_parallel=True",
+        )
     _positive("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size, True)
     shared = c.moe_shared_expert_intermediate_size
     if shared is not None and shared % c.tensor_model_parallel_size:
