@@ -2,9 +2,17 @@
 
 This is the package's one switch for TE (`HAVE_TE`). Without TE, `te_layer_spec` raises
 `ModelConfigError` with the install command; the local spec has the same numerics in
-PyTorch. With TE the spec swaps the norms for TE's fused LayerNorm/RMSNorm and runs each
-layer under `fp8_autocast` when `config.fp8` is set; the GEMMs stay tp-layers' linears
-(TE linear wrappers are future work), so the parameter names are the local spec's.
+PyTorch. With TE the spec swaps:
+- the norms for TE's fused LayerNorm/RMSNorm;
+- the GEMMs for TE's Linear through tp-layers' backend switch (`column_parallel_linear` /
+  `row_parallel_linear(backend="te")`), which keeps tp-layers' initialisation and parameter
+  attributes. SwiGLU's fc1 at tp > 1 stays on tp-layers' linear: its weight is split with
+  stride 2 ([gate_r, up_r] per rank) and TE splits the output dim contiguously;
+- core attention for TE's DotProductAttention (causal, GQA through `num_gqa_groups`);
+and runs each layer under `fp8_autocast` when `config.fp8` is set. Parameter names stay
+the local spec's (`weight`, `bias`), so checkpoints and HF conversion work with both.
+This path runs only on CUDA with TE: `tools/device_checks/models_te.py` compares it with
+the local spec there; CI checks only the fallback and the errors.
 """
 
 from __future__ import annotations
@@ -13,6 +21,14 @@ import contextlib
 from typing import Any
 
 import torch
+
+from pentatron.tp_layers import (
+    ColumnParallelLinear,
+    column_parallel_linear,
+    divide,
+    get_rng_tracker,
+    row_parallel_linear,
+)
 
 from .config import ModelConfigError
 
@@ -35,7 +51,7 @@ def require_te(what: str = "get_gpt_layer_te_spec()") -> None:
 
 
 def te_layer_spec(qk_layernorm: bool = True) -> Any:
-    """The local spec with TE norms and an FP8-autocast layer (GEMMs: tp-layers linears)."""
+    """The local spec with TE norms, linears and core attention, in an FP8-autocast layer."""
     require_te()
     from .layer_specs import get_gpt_layer_local_spec
 
@@ -45,8 +61,75 @@ def te_layer_spec(qk_layernorm: bool = True) -> Any:
     layer.input_layernorm = layer.pre_mlp_layernorm = TENorm
     if qk_layernorm:
         attn.q_layernorm = attn.k_layernorm = TENorm
+    attn.linear_qkv = TEColumnParallelLinear
+    attn.linear_proj = TERowParallelLinear
+    attn.core_attention = TEDotProductAttention
+    mlp = layer.mlp.submodules
+    mlp.linear_fc1 = TEColumnParallelLinear
+    mlp.linear_fc2 = TERowParallelLinear
     spec.module = FP8TransformerLayer
     return spec
+
+
+def _tp_size(tp_group: Any) -> int:
+    if tp_group is None:
+        from pentatron.parallel_state import get_default_grid, model_parallel_is_initialized
+
+        return get_default_grid().size("tp") if model_parallel_is_initialized() else 1
+    return torch.distributed.get_world_size(tp_group)
+
+
+def TEColumnParallelLinear(input_size: int, output_size: int, **kwargs: Any) -> Any:
+    """TE's column-parallel Linear; a strided (fused [gate, up]) weight at tp > 1 stays on
+    tp-layers' ColumnParallelLinear, whose split TE cannot express."""
+    if kwargs.get("stride", 1) > 1 and _tp_size(kwargs.get("tp_group")) > 1:
+        return ColumnParallelLinear(input_size, output_size, **kwargs)
+    return column_parallel_linear(input_size, output_size, backend="te", **kwargs)
+
+
+def TERowParallelLinear(input_size: int, output_size: int, **kwargs: Any) -> Any:
+    """TE's row-parallel Linear (input split over tp; all-reduce or SP reduce-scatter)."""
+    return row_parallel_linear(input_size, output_size, backend="te", **kwargs)
+
+
+class TEDotProductAttention(torch.nn.Module):
+    """TE's fused causal attention with the local DotProductAttention's interface.
+
+    q `[s, b, nq/t, d]`, k/v `[s, b, ng/t, d]` -> `[s, b, nq d / t]`; GQA without repeating
+    k/v (`num_gqa_groups`). `attention_mask` must be None (causal): TE's padding masks take
+    another layout, so a custom mask raises instead of silently differing.
+    """
+
+    def __init__(self, config: Any, layer_number: int, tp_size: int) -> None:
+        super().__init__()
+        require_te("TEDotProductAttention")
+        self.config = config
+        heads = divide(config.num_attention_heads, tp_size, "num_attention_heads")
+        groups = divide(config.num_query_groups, tp_size, "num_query_groups")
+        self.attn = te.DotProductAttention(
+            num_attention_heads=heads,
+            kv_channels=config.kv_channels,
+            num_gqa_groups=groups,
+            attention_dropout=config.attention_dropout,
+            attn_mask_type="causal",
+            qkv_format="sbhd",
+            layer_number=layer_number,
+            softmax_scale=1.0 / (config.kv_channels**0.5),
+        )
+
+    def forward(self, q, k, v, attention_mask: Any = None) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ModelConfigError(
+                "attention_mask with TEDotProductAttention: the rule: the TE spec runs causal "
+                "attention only; fix: pass attention_mask=None or use get_gpt_layer_local_spec()"
+            )
+        s, b = q.shape[:2]
+        if self.config.attention_dropout and not self.config.sequence_parallel:
+            with get_rng_tracker().fork():
+                out = self.attn(q, k, v)
+        else:
+            out = self.attn(q, k, v)
+        return out.reshape(s, b, -1)
 
 
 def TENorm(config: Any, hidden_size: int, eps: float | None = None, sequence_parallel=None) -> Any:

@@ -1,0 +1,84 @@
+"""GPU check (run where CUDA and transformer-engine exist; not part of CI):
+
+    torchrun --standalone --nproc-per-node 2 tools/device_checks/models_te.py
+
+A 2-layer GPT (GQA, RoPE, SwiGLU, RMSNorm) at tp = world size with sequence parallelism,
+built with `get_gpt_layer_te_spec()` and `get_gpt_layer_local_spec()`; the TE model loads
+the local model's state dict (same parameter names), then per-token losses and every
+gradient must agree within fp32 GEMM tolerance (TF32 off). Prints one line per rank and
+exits non-zero on a mismatch.
+"""
+
+import torch
+import torch.distributed as dist
+
+from pentatron.models import (
+    GPTModel,
+    TransformerConfig,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_te_spec,
+)
+from pentatron.parallel_state import ParallelConfig, initialize_model_parallel
+from pentatron.tp_layers import model_parallel_seed
+
+
+def build(spec, config, grid):
+    model_parallel_seed(1234)
+    return GPTModel(config, spec, vocab_size=256, max_sequence_length=128, grid=grid).cuda()
+
+
+def losses_and_grads(model, ids, pos, labels):
+    loss = model(ids, pos, labels=labels)
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def main() -> int:
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    tp = dist.get_world_size()
+    grid = initialize_model_parallel(ParallelConfig(tp=tp))
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=512,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+    )
+    local = build(get_gpt_layer_local_spec(), config, grid)
+    te_model = build(get_gpt_layer_te_spec(), config, grid)
+    missing = te_model.load_state_dict(local.state_dict(), strict=False)
+    g = torch.Generator("cuda").manual_seed(7)
+    ids = torch.randint(0, 256, (2, 128), device="cuda", generator=g)
+    labels = torch.randint(0, 256, (2, 128), device="cuda", generator=g)
+    pos = torch.arange(128, device="cuda").expand(2, 128)
+    want_loss, want = losses_and_grads(local, ids, pos, labels)
+    got_loss, got = losses_and_grads(te_model, ids, pos, labels)
+    ok = not missing.unexpected_keys
+    rank = dist.get_rank()
+    print(
+        f"rank {rank}: TE-only state keys {missing.missing_keys} unexpected {missing.unexpected_keys}"
+    )
+    err = float((got_loss - want_loss).abs().max() / want_loss.abs().max())
+    ok &= err < 1e-4
+    print(f"rank {rank}: loss max rel err {err:.2e}")
+    for name, grad in want.items():
+        e = float((got[name] - grad).abs().max() / grad.abs().max().clamp(min=1e-12))
+        ok &= e < 1e-3
+        print(f"rank {rank}: grad {name} max rel err {e:.2e}")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
