@@ -1,6 +1,8 @@
 """Acceptance (faults): SIGTERM to the workers mid-run (what Slurm and torchrun send on
 preemption) makes every rank finish its iteration, save a checkpoint and exit 0; the next
-run resumes from that iteration. Real processes: torchrun with 2 workers."""
+run resumes from that iteration. A worker SIGKILLed in the middle of a save leaves the
+previous checkpoint as latest, and the next run loads it. Real processes: torchrun with 2
+workers."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ ARGS = [
 ]
 
 
-def _torchrun(extra: list[str], **kwargs) -> subprocess.Popen:
+def _torchrun(extra: list[str], entry=("-m", "pentatron.pretrain"), env=None, **kwargs):
     cmd = [
         sys.executable,
         "-m",
@@ -48,12 +50,11 @@ def _torchrun(extra: list[str], **kwargs) -> subprocess.Popen:
         "--standalone",
         "--nproc-per-node",
         "2",
-        "-m",
-        "pentatron.pretrain",
+        *entry,
         *ARGS,
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kwargs
     )
@@ -110,3 +111,37 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
     its = [int(m) for m in re.findall(r"iteration\s+(\d+)/", out)]
     assert its == [latest + 1, latest + 2], out[-2000:]
     assert read_latest_iteration(save) == latest + 2
+
+
+def _checkpoint_entries(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith(("iter_", "latest")))
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    from pentatron.pretrain.checkpointing import read_latest_iteration
+
+    save = str(tmp_path / "ckpt")
+    killer = str(Path(__file__).with_name("_kill_during_save.py"))
+    flags = ["--train-iters", "4", "--save-interval", "2", "--save", save]
+    proc = _torchrun(flags, entry=(killer,), env={"KILL_SAVE_DIR": "iter_0000004.tmp"})
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0, out[-3000:]  # the job died
+    assert read_latest_iteration(save) == 2, out[-3000:]
+    assert _checkpoint_entries(save) == [
+        "iter_0000002",
+        "iter_0000004.tmp",  # the half-written save, never made visible
+        "latest_checkpointed_iteration.txt",
+    ]
+    partial = os.listdir(os.path.join(save, "iter_0000004.tmp"))
+    assert any(f.endswith(".distcp") for f in partial) and ".metadata" not in partial, partial
+    resumed = _torchrun(["--train-iters", "4", "--load", save, "--save", save])
+    out, _ = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, out[-3000:]
+    its = [int(m) for m in re.findall(r"iteration\s+(\d+)/", out)]
+    assert its == [3, 4], out[-2000:]
+    assert read_latest_iteration(save) == 4
+    assert _checkpoint_entries(save) == [
+        "iter_0000002",
+        "iter_0000004",
+        "latest_checkpointed_iteration.txt",
+    ]
