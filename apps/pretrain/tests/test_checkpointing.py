@@ -339,3 +339,42 @@ def test_rectangles_tile_the_global_tensors(tp):
             got = rebuilt.pop(name)
         assert torch.equal(got, tensor), name
     assert not rebuilt
+
+
+def async_lifecycle(root, states):
+    """World 4 at tp2-pp2 with --async-save: the write runs while training goes on; the
+    checkpoint appears only at finalize and holds the state at save time (not later)."""
+    grid = make_grid(2, 2, None)
+    run = build_run(grid, states[0], dist_opt=True)
+    saver = ckpt.AsyncSaver()
+    train_step(run, 0)
+    _save(run, root, 1, async_saver=saver)
+    saved = _snapshot(run)
+    out = {"latest_before_finalize": ckpt.read_latest_iteration(root)}
+    for step in (1, 2):  # optimizer steps overwrite the params the thread is writing
+        train_step(run, step)
+    out["published"] = saver.finalize(blocking=True)
+    out["latest_after"] = ckpt.read_latest_iteration(root)
+    out["nothing_in_flight"] = saver.finalize(blocking=True) is None and not saver.pending()
+    fresh = build_run(grid, states[1], dist_opt=True)
+    out["loaded"] = _load(fresh, root)
+    out["state_at_save"] = _equal(_snapshot(fresh), saved)
+    _save(run, root, 3, async_saver=saver)
+    _save(run, root, 4, async_saver=saver)  # waits for 3, publishes it, starts 4
+    out["after_second"] = ckpt.read_latest_iteration(root)
+    saver.finalize(blocking=True)
+    out["entries"] = sorted(n for n in os.listdir(root) if n.startswith("iter_"))
+    destroy_model_parallel(grid)
+    return out
+
+
+def test_async_save_writes_the_state_at_save_time(distributed, tmp_path):
+    root = str(tmp_path / "run")
+    states = [full_state(tiny_config(), seed) for seed in (0, 1)]
+    for out in distributed.run(4, async_lifecycle, root, states):
+        assert out["latest_before_finalize"] is None
+        assert out["published"] == 1 and out["latest_after"] == 1
+        assert out["nothing_in_flight"]
+        assert out["loaded"] == ckpt.LoadedCheckpoint(1, 8, ARGS) and out["state_at_save"]
+        assert out["after_second"] == 3
+        assert out["entries"] == ["iter_0000001", "iter_0000003", "iter_0000004"]

@@ -161,6 +161,11 @@ def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func
         grid, args.micro_batch_size, args.seq_length
     )
     logger = (logger_factory or default_logger)(args, grid, chunks)
+    async_saver = None
+    if args.save and args.async_save:
+        from .checkpointing import AsyncSaver
+
+        async_saver = AsyncSaver()
     trainer = Trainer(
         args=args,
         grid=grid,
@@ -172,7 +177,8 @@ def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func
         train_iters=build_iterators(train_factory, args, grid),
         valid_iters=build_iterators(valid_factory, args, grid) if valid_factory else None,
         logger=logger,
-        save=_saver(args, chunks, optimizer, scheduler, grid, config),
+        save=_saver(args, chunks, optimizer, scheduler, grid, config, async_saver),
+        async_saver=async_saver,
     )
     try:
         return trainer.train(state)
@@ -180,7 +186,7 @@ def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func
         logger.close()
 
 
-def _saver(args, chunks, optimizer, scheduler, grid, config):
+def _saver(args, chunks, optimizer, scheduler, grid, config, async_saver=None):
     if not args.save:
         return None
     from .checkpointing import save_checkpoint
@@ -197,6 +203,7 @@ def _saver(args, chunks, optimizer, scheduler, grid, config):
             consumed_samples=state.consumed_samples,
             args={k: v for k, v in vars(args).items() if _jsonable(v)},
             keep_last=args.ckpt_keep_last,
+            async_saver=async_saver,
         )
 
     return save

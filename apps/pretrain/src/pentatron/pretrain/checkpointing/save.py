@@ -5,6 +5,8 @@ Order (so a crash at any point leaves the previous latest checkpoint loadable):
 2. every rank writes its chunks into `iter_N.tmp` with DCP; rank 0 adds `common.json`;
 3. barrier; rank 0 renames `iter_N.tmp` -> `iter_N`, rewrites the latest file (atomically,
    tmp + os.replace), then deletes checkpoints beyond `keep_last`; barrier.
+With an `AsyncSaver` (--async-save), step 2 copies the tensors and writes them in a
+background thread, and step 3 runs when every rank has finished (`AsyncSaver.finalize`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -77,17 +80,21 @@ def save_checkpoint(
     consumed_samples: int,
     args: dict[str, Any],
     keep_last: int | None = None,
+    async_saver: Any = None,
 ) -> str:
     """Collective over the world: save `save_dir/iter_<iteration>`; returns that path.
 
     `model_chunks`: this rank's DDP-wrapped GPTModel chunks (one per virtual stage);
-    `optimizer` / `scheduler` may be None; `args` must be JSON-able.
+    `optimizer` / `scheduler` may be None; `args` must be JSON-able. With `async_saver`
+    the path becomes visible only when `async_saver.finalize` publishes it.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1; fix: pass None to keep all")
     _check_json(args)  # on every rank, before any collective: rank 0 alone must not fail
     final, tmp = layout.iter_dir(save_dir, iteration), layout.temp_dir(save_dir, iteration)
     first = dist.get_rank() == 0
+    if async_saver is not None:
+        async_saver.finalize(blocking=True)  # one save in flight at a time
     if first:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,11 +105,20 @@ def save_checkpoint(
     if optimizer is not None:
         sd.update(optimizer_save_entries(optimizer, model_chunks, grid))
     sd.update(capture_rng(dist.get_rank()))
-    dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=ChunkSavePlanner())
-    if first:
+    common = None
+    if first:  # captured now: the scheduler moves on while an async write runs
         common = _common(
             iteration, model_chunks, optimizer, scheduler, grid, config, consumed_samples, args
         )
+    if async_saver is not None:
+        if first:
+            os.makedirs(tmp)
+            write_common(tmp, common)
+        publish = partial(_publish, save_dir, tmp, final, iteration, keep_last)
+        async_saver.start(sd, tmp, iteration, publish)
+        return final
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=ChunkSavePlanner())
+    if first:
         write_common(tmp, common)
     comm.barrier()  # every rank's files are complete before the folder becomes visible
     if first:

@@ -4,7 +4,9 @@ Exit conditions (each agreed by every rank, so all stop at the same iteration): 
 reached, --exit-interval, --exit-duration-in-mins, and SIGTERM / SIGINT (torchrun forwards
 them to every worker); the last three save a checkpoint first when --save is set. A NaN or
 Inf loss stops the run before the optimizer step (the last checkpoint stays intact) or, with
---on-nan-loss skip, skips that step on every rank.
+--on-nan-loss skip, skips that step on every rank. With --async-save a background write is
+published at the first iteration end where every rank has finished it, and at the latest
+before `train` returns.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Trainer:
     valid_iters: list | None
     logger: Any
     save: Any  # save(state) -> None, or None without --save
+    async_saver: Any = None  # checkpointing.AsyncSaver with --async-save
 
     def _should_exit(self, state: TrainState, started: float, catcher: SignalCatcher) -> str:
         args = self.args
@@ -69,7 +72,12 @@ class Trainer:
             args.exit_duration_in_mins is not None
             and (time.time() - started) / 60.0 > args.exit_duration_in_mins
         )
-        signalled, over_time = agree_flags([catcher.received is not None, over_time], self.grid)
+        writing = self.async_saver is not None and self.async_saver.pending()
+        signalled, over_time, writing = agree_flags(
+            [catcher.received is not None, over_time, writing], self.grid
+        )
+        if self.async_saver is not None:  # publish a finished background save
+            self.async_saver.finalize(blocking=False, all_done=not writing)
         if signalled:
             return "signal"
         if over_time:
@@ -157,6 +165,8 @@ class Trainer:
                 state.exit_reason = "train-iters"
             if self.save and saved_at != state.iteration:
                 self.save(state)
+            if self.async_saver is not None:
+                self.async_saver.finalize(blocking=True)
         finally:
             catcher.restore()
         return state
