@@ -102,6 +102,7 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     fp32_residual_connection: bool = False
     apply_query_key_layer_scaling: bool = False
+    calculate_per_token_loss: bool = False  # losses are sums over tokens (MoE aux losses follow)
     fp8: str | None = None  # "e4m3" | "hybrid": only with the transformer-engine spec
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1

@@ -150,6 +150,13 @@ def _check_router(c: Any, experts: int) -> None:
             "sinkhorn routing balances without an aux loss",
             "set moe_aux_loss_coeff=0 with moe_router_load_balancing_type='sinkhorn'",
         )
+    if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
+        fail(
+            "moe_router_enable_expert_bias",
+            True,
+            "aux-loss-free expert bias works with the sigmoid score function (as Megatron)",
+            "set moe_router_score_function='sigmoid' or moe_router_enable_expert_bias=False",
+        )
     rate = c.moe_router_bias_update_rate
     if not (isinstance(rate, (int, float)) and rate > 0):
         fail("moe_router_bias_update_rate", rate, "> 0", "e.g. 1e-3")
@@ -185,6 +192,14 @@ def _check_groups(c: Any, experts: int, topk: int) -> None:
             group_topk,
             f"at most moe_router_num_groups={groups}",
             f"set moe_router_group_topk <= {groups}",
+        )
+    if topk < group_topk:
+        fail(
+            "moe_router_group_topk",
+            group_topk,
+            f"a group is scored by the sum of its top topk/group_topk experts, so "
+            f"group_topk <= moe_router_topk={topk}",
+            f"set moe_router_group_topk <= {topk}",
         )
     if topk > group_topk * (experts // groups):
         fail(

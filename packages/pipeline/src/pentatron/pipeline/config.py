@@ -42,6 +42,10 @@ class PipelineConfig:
       finalize_model_grads_func(model_chunks, num_tokens | None): called once after the last
         backward (num_tokens is the step's total token count in per-token mode).
       grad_scale_func(loss) -> loss: loss scaling before the last stage's backward.
+      aux_loss_scale_func(scale): called before each micro-batch's forward with the factor
+        the main loss gets before backward (grad_scale_func(ones(1)) / num_microbatches, or
+        without the division in per-token mode), so losses attached inside the model (MoE
+        aux losses, e.g. pentatron.models.moe.load_balancing.set_aux_loss_scale) match it.
     Lists (one callable per chunk) are accepted for grad_sync_func / param_sync_func.
     """
 
@@ -59,6 +63,7 @@ class PipelineConfig:
     param_sync_func: Any = None
     finalize_model_grads_func: Callable[..., Any] | None = None
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
+    aux_loss_scale_func: Callable[[torch.Tensor], None] | None = None
 
     def __post_init__(self) -> None:
         _positive("hidden_size", self.hidden_size)

@@ -86,10 +86,24 @@ def forward_step(
     -> output `[s, b, h]`, or on the last stage the scaled loss (a scalar)."""
     with state.span("forward", microbatch, chunk):
         _set_input_tensor(model, input_tensor)
+        _set_aux_loss_scale(state)
         output, loss_func = forward_step_func(data_iterator, model)
         if is_last_stage:
             output = _apply_loss(state, output, loss_func)
     return output
+
+
+def _set_aux_loss_scale(state: StepState) -> None:
+    """Hand the model the factor its main loss gets before backward (Megatron's forward_step
+    for MoE): losses attached inside the model are back-propagated with this grad."""
+    config = state.config
+    if config.aux_loss_scale_func is None:
+        return
+    ones = torch.ones(1)
+    scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+    if not config.calculate_per_token_loss:
+        scale = scale / state.num_microbatches
+    config.aux_loss_scale_func(scale)
 
 
 def _apply_loss(state: StepState, output: Any, loss_func: Callable[..., Any]) -> torch.Tensor:

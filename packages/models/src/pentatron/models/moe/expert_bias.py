@@ -1,0 +1,51 @@
+"""Aux-loss-free load balancing (DeepSeek-V3): nudge each router's expert bias after the
+optimizer step towards under-loaded experts.
+
+    load = all-reduce(group) of the tokens routed to each expert since the last update
+    expert_bias += rate * sign(mean(load) - load)
+
+The bias only changes which experts are chosen, never the probs. Every rank of `group`
+(the app passes grid.group("tp-dp-cp"): all ranks holding the same layers) applies the
+same update to the same bias, so the biases stay identical without a broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pentatron.parallel_state import comm
+
+
+def _bias_routers(model_chunks: Any) -> list[torch.nn.Module]:
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return [
+        m
+        for chunk in chunks
+        for m in chunk.modules()
+        if getattr(m, "expert_bias", None) is not None
+        and getattr(m, "local_tokens_per_expert", None) is not None
+    ]
+
+
+@torch.no_grad()
+def update_expert_bias(model_chunks: Any, group: Any = None) -> int:
+    """Apply the bias rule to every router with an expert bias; returns how many.
+
+    One all-reduce(group) of the stacked counts `[routers, E]` (fp32); then the counts are
+    zeroed. Call once per step, after the optimizer step, on every rank of `group`.
+    """
+    routers = _bias_routers(model_chunks)
+    if not routers:
+        return 0
+    counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
+    distributed = group is not None and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size(group) > 1:
+        comm.all_reduce(counts, group=group)
+    offset = counts.mean(dim=-1, keepdim=True) - counts
+    for router, delta in zip(routers, torch.sign(offset)):
+        rate = router.config.moe_router_bias_update_rate
+        router.expert_bias.data = router.expert_bias.data.float() + rate * delta
+        router.local_tokens_per_expert.zero_()
+    return len(routers)

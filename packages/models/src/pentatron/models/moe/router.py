@@ -1,0 +1,255 @@
+"""`TopKRouter`: which experts each token goes to, with what weight, and the router's
+load-balancing and z-losses (Megatron-LM's TopKRouter / topk_softmax_with_capacity).
+
+    hidden [s/(t*cp), b, h] -> logits [T, E] (T = s_local * b, s-major; fp32 or wider)
+      -> z-loss attached -> scores (softmax pre/post top-k, or sigmoid normalised over the
+      top-k) -> top-k (optionally group-limited, optionally chosen with the expert bias)
+      -> * topk scaling factor -> capacity dropping -> aux loss attached
+      -> probs [T, E] (0 off the route), routing_map [T, E] bool
+
+Only the routing counts of the aux losses communicate: all-reduce over `tp_cp_group`
+(tokens differ across tp x cp under sequence parallelism), so each rank's losses are
+shares whose sum over the group is the loss of all the group's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import TransformerConfig
+from ..config_checks import ModelConfigError
+from .aux_tracker import AuxLossRecord
+from .capacity import drop_tokens
+from .load_balancing import (
+    attach_aux_loss,
+    routing_scores_for_aux_loss,
+    sequence_load_balancing_loss,
+    sinkhorn,
+    switch_load_balancing_loss,
+    z_loss,
+)
+
+
+def group_limited_topk(
+    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of `scores [T, E]` restricted to the `group_topk` best of `num_groups` groups of
+    consecutive experts; a group's score is the sum of its top (topk // group_topk) scores.
+    Returns (top scores [T, k], expert indices [T, k])."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    groups = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, groups, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    masked = scores.masked_fill(~expert_mask, float("-inf"))
+    return torch.topk(masked, k=topk, dim=-1)
+
+
+def topk_routing(
+    logits: torch.Tensor, config: TransformerConfig, expert_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, E]` logits -> (probs `[T, E]`, 0 off the route; routing_map `[T, E]` bool)."""
+    topk = config.moe_router_topk
+
+    def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if config.moe_router_group_topk:
+            return group_limited_topk(
+                scores, topk, config.moe_router_num_groups, config.moe_router_group_topk
+            )
+        return torch.topk(scores, k=topk, dim=-1)
+
+    if config.moe_router_score_function == "softmax":
+        if config.moe_router_pre_softmax:
+            top, indices = choose(torch.softmax(logits, dim=-1))
+        else:
+            top, indices = choose(logits)
+            top = torch.softmax(top, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:  # the bias picks the experts; the probs stay unbiased
+            _, indices = choose(scores + expert_bias.to(scores.dtype))
+            top = torch.gather(scores, 1, indices)
+        else:
+            top, indices = choose(scores)
+        if topk > 1:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    if config.moe_router_topk_scaling_factor:
+        top = top * config.moe_router_topk_scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, indices, top)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return probs, routing_map
+
+
+def _check_router_config(config: TransformerConfig) -> None:
+    if not config.is_moe:
+        raise ModelConfigError(
+            "num_moe_experts=None: the rule: a TopKRouter needs experts; fix: set num_moe_experts"
+        )
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        raise ModelConfigError(
+            "moe_router_enable_expert_bias=True: the rule: the expert bias (aux-loss-free "
+            "balancing) works with the sigmoid score function (as Megatron); fix: set "
+            "moe_router_score_function='sigmoid' or moe_router_enable_expert_bias=False"
+        )
+    group_topk = config.moe_router_group_topk
+    if group_topk and config.moe_router_topk < group_topk:
+        raise ModelConfigError(
+            f"moe_router_group_topk={group_topk}: the rule: a group is scored by its top "
+            f"(topk // group_topk) experts, so moe_router_topk={config.moe_router_topk} must "
+            "be >= moe_router_group_topk; fix: lower moe_router_group_topk"
+        )
+
+
+class TopKRouter(torch.nn.Module):
+    """Route each of this rank's tokens to its top-k experts (see the module docstring).
+
+    Parameter `weight [E, h]` (params_dtype, N(0, init_method_std^2) from the default RNG,
+    `sequence_parallel = config.sequence_parallel` so its tp-partial grad is all-reduced).
+    Buffers with `moe_router_enable_expert_bias`: `expert_bias [E]` (fp32, persistent) and
+    `local_tokens_per_expert [E]` (fp32, not persistent: counts since the last bias update);
+    both are None otherwise. `aux_loss_record` holds the losses for logging.
+    `calculate_per_token_loss` (default: the config's field if it has one) multiplies the
+    attached losses by the local token count, as the step then divides by the token total.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_cp_group: Any = None):
+        super().__init__()
+        _check_router_config(config)
+        self.config, self.layer_number, self.tp_cp_group = config, layer_number, tp_cp_group
+        experts, hidden = config.num_moe_experts, config.hidden_size
+        self.weight = torch.nn.Parameter(torch.empty(experts, hidden, dtype=config.params_dtype))
+        with torch.no_grad():
+            self.weight.normal_(0.0, config.init_method_std)
+        self.weight.sequence_parallel = config.sequence_parallel
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer(
+                "local_tokens_per_expert",
+                torch.zeros(experts, dtype=torch.float32),
+                persistent=False,
+            )
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.calculate_per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
+        self.aux_loss_record = AuxLossRecord()
+
+    @property
+    def tp_cp_size(self) -> int:
+        group = self.tp_cp_group
+        if group is None or not torch.distributed.is_initialized():
+            return 1
+        return torch.distributed.get_world_size(group)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden `[s_local, b, h]` -> probs `[T, E]` fp32 (or wider), routing_map `[T, E]`
+        bool; T = s_local * b in s-major order (hidden.reshape(-1, h))."""
+        self._check_input(hidden)
+        self._keep_buffers_fp32()
+        batch_size = hidden.shape[1]
+        logits = self._apply_z_loss(self._gating(hidden.reshape(-1, hidden.shape[-1])))
+        if self.config.moe_router_load_balancing_type == "sinkhorn":
+            probs, routing_map = self._sinkhorn_routing(logits)
+        else:
+            probs, routing_map = topk_routing(logits, self.config, self.expert_bias)
+            probs, routing_map = self._apply_capacity(probs, routing_map)
+            probs = self._apply_load_balancing_loss(probs, logits, batch_size)
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+            # no_grad passes (evaluation, the first pass of full recompute) do not count
+            self.local_tokens_per_expert += routing_map.sum(dim=0).float()
+        return probs, routing_map
+
+    # --- pieces of forward ---------------------------------------------------------------
+    def _check_input(self, hidden: torch.Tensor) -> None:
+        h = self.config.hidden_size
+        if not torch.is_tensor(hidden) or hidden.dim() != 3 or hidden.shape[-1] != h:
+            shape = tuple(hidden.shape) if torch.is_tensor(hidden) else type(hidden).__name__
+            raise ValueError(
+                f"TopKRouter(layer {self.layer_number}) got hidden of shape {shape}; the rule: "
+                f"[s_local, b, hidden_size={h}]; fix: pass the layer's [s/(tp*cp), b, h] tokens"
+            )
+        if not hidden.is_floating_point():
+            raise ValueError(f"TopKRouter got hidden of dtype {hidden.dtype}; needs a float")
+
+    def _keep_buffers_fp32(self) -> None:
+        """model.to(bf16) casts buffers too; the bias and counts must stay exact in fp32."""
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(self, name)
+            if buf is not None and buf.dtype != torch.float32:
+                buf.data = buf.data.float()
+
+    def _gating(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T, h]` -> logits `[T, E]` in fp32 (fp64 if the weight is fp64)."""
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        eps = self.config.moe_input_jitter_eps
+        if eps is not None and self.training:  # multiplicative noise U(1-eps, 1+eps)
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        return F.linear(x.to(dtype), self.weight.to(dtype))
+
+    def _loss_scale_up(self, loss: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return loss * num_tokens if self.calculate_per_token_loss else loss
+
+    def _apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not (self.training and torch.is_grad_enabled()):
+            return logits
+        # each rank's mean over its tokens / |tp-cp|: the shares sum to the group's mean
+        share = z_loss(logits, coeff / self.tp_cp_size)
+        self.aux_loss_record.record("z_loss", share / coeff)
+        return attach_aux_loss(logits, self._loss_scale_up(share, logits.shape[0]))
+
+    def _sinkhorn_routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        topk = self.config.moe_router_topk
+
+        def activation(x: torch.Tensor) -> torch.Tensor:
+            return torch.sigmoid(x) if topk == 1 else torch.softmax(x, dim=-1)
+
+        if self.training:  # experts chosen by the balanced matrix, weighted by the plain one
+            with torch.no_grad():
+                indices = torch.topk(sinkhorn(logits.detach()), k=topk, dim=-1).indices
+            scores = activation(logits)
+        else:
+            scores = activation(logits)
+            indices = torch.topk(scores, k=topk, dim=-1).indices
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        return scores * routing_map, routing_map
+
+    def _apply_capacity(
+        self, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        if c.moe_expert_capacity_factor is None:
+            return probs, routing_map
+        return drop_tokens(
+            probs,
+            routing_map,
+            c.moe_router_topk,
+            c.moe_expert_capacity_factor,
+            c.moe_token_drop_policy,
+            c.moe_pad_expert_input_to_capacity,
+        )
+
+    def _apply_load_balancing_loss(
+        self, probs: torch.Tensor, logits: torch.Tensor, batch_size: int
+    ) -> torch.Tensor:
+        c = self.config
+        kind, coeff, topk = (
+            c.moe_router_load_balancing_type,
+            c.moe_aux_loss_coeff,
+            c.moe_router_topk,
+        )
+        if kind == "none" or not coeff or not (self.training and torch.is_grad_enabled()):
+            return probs
+        scores, topk_map = routing_scores_for_aux_loss(logits, topk, c.moe_router_score_function)
+        if kind == "aux_loss":
+            share = switch_load_balancing_loss(scores, topk_map, topk, coeff, self.tp_cp_group)
+        else:
+            share = sequence_load_balancing_loss(
+                scores, topk_map, batch_size, topk, coeff, self.tp_cp_group
+            )
+        self.aux_loss_record.record("load_balancing_loss", share / coeff)
+        return attach_aux_loss(probs, self._loss_scale_up(share, probs.shape[0]))
