@@ -358,3 +358,27 @@ def test_plot_cli_without_matplotlib_prints_an_install_hint(tmp_path, monkeypatc
     assert main([str(tmp_path / "metrics.jsonl")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install" in err[0]
+
+
+def test_moe_aux_losses_are_averaged_per_layer_over_the_interval(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, stream = tmp_path / "tb", io.StringIO()
+    logger = _logger(tmp_path, stream, tensorboard_dir=str(tb), log_interval=2, train_iters=2)
+    # layer 1 dense (0), layers 2 and 3 MoE
+    per_step = [[0.0, 1.0, 3.0], [0.0, 2.0, 5.0]]
+    for i, layers in enumerate(per_step):
+        metrics = _iteration(2.0)
+        metrics["moe_losses"] = {"load_balancing_loss": layers, "z_loss": [0.0, 0.5, 0.5]}
+        logger.log_train(i + 1, metrics)
+    logger.close()
+    (record,) = _read(tmp_path / "metrics.jsonl")
+    assert record["moe_load_balancing_loss_per_layer"] == [0.0, 1.5, 4.0]
+    assert record["moe_load_balancing_loss"] == pytest.approx((1.5 + 4.0) / 2)
+    assert record["moe_z_loss"] == pytest.approx(0.5)
+    assert "load_balancing_loss: 2.750000E+00" in stream.getvalue()
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("load_balancing_loss")] == [pytest.approx(2.75)]
+    assert [e.value for e in acc.Scalars("moe/load_balancing_loss_layer_3")] == [4.0]

@@ -21,6 +21,10 @@ from .gpt_model import GPTModel, build_model_chunks
 from .grads import allreduce_tied_embedding_grads, sync_grads
 from .layer_specs import get_gpt_layer_local_spec, get_gpt_layer_te_spec
 from .mlp import MLP, MLPSubmodules
+from .moe.aux_tracker import collect_moe_aux_losses, reset_moe_aux_losses
+from .moe.expert_bias import update_expert_bias
+from .moe.load_balancing import get_aux_loss_scale, set_aux_loss_scale
+from .moe.router import TopKRouter
 from .norm import LayerNorm, Norm, RMSNorm
 from .parallel import ModelParallel
 from .rope import RotaryEmbedding, apply_rotary_pos_emb, rope_inv_freq
@@ -41,6 +45,12 @@ from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 __version__ = "0.1.0"
 
 __all__ = [
+    "TopKRouter",
+    "collect_moe_aux_losses",
+    "get_aux_loss_scale",
+    "reset_moe_aux_losses",
+    "set_aux_loss_scale",
+    "update_expert_bias",
     "HAVE_TE",
     "MLP",
     "DotProductAttention",

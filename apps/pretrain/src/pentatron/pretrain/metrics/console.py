@@ -44,6 +44,9 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
     if record.get("global_batch_size") is not None:
         parts.append(f"global batch size: {record['global_batch_size']:5d}")
     parts.append(f"lm loss: {_fmt(record.get('lm_loss'), '.6E')}")
+    for key, value in record.items():  # MoE aux losses (mean over the MoE layers)
+        if key.startswith("moe_") and not key.endswith("_per_layer"):
+            parts.append(f"{key[len('moe_') :]}: {_fmt(value, '.6E')}")
     if record.get("loss_scale") is not None:
         parts.append(f"loss scale: {record['loss_scale']:.1f}")
     if record.get("grad_norm") is not None:

@@ -51,6 +51,7 @@ class IntervalSummary:
     flops_per_s: float | None  # model FLOPs of the timed iterations / their time (all devices)
     global_batch_size: int | None
     memory_bytes: int | None
+    moe_losses: dict[str, list[float]] | None = None  # MoE aux loss -> per-layer mean
 
 
 @dataclass
@@ -68,6 +69,8 @@ class IntervalStats:
     flops: _Rate = field(default_factory=lambda: _Rate())
     last: dict[str, float | None] = field(default_factory=dict)
     memory_bytes: int | None = None
+    moe_sum: dict[str, list[float]] = field(default_factory=dict)
+    moe_count: int = 0
 
     def add(
         self, metrics: dict[str, Any], tokens: float | None = None, flops: float | None = None
@@ -95,6 +98,11 @@ class IntervalStats:
         memory = metrics.get("memory")
         if memory is not None:
             self.memory_bytes = max(int(memory), self.memory_bytes or 0)
+        if metrics.get("moe_losses"):
+            self.moe_count += 1
+            for name, layers in metrics["moe_losses"].items():
+                acc = self.moe_sum.setdefault(name, [0.0] * len(layers))
+                self.moe_sum[name] = [a + float(v) for a, v in zip(acc, layers)]
 
     def summary(self) -> IntervalSummary:
         return IntervalSummary(
@@ -115,7 +123,22 @@ class IntervalStats:
                 else int(self.last["global_batch_size"])  # type: ignore[arg-type]
             ),
             memory_bytes=self.memory_bytes,
+            moe_losses={
+                name: [v / self.moe_count for v in layers] for name, layers in self.moe_sum.items()
+            }
+            or None,
         )
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+
+def moe_record(moe_losses: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Record fields of the MoE aux losses: `moe_<name>` (mean over the MoE layers, as
+    Megatron logs it) and `moe_<name>_per_layer` (0 for dense layers)."""
+    out: dict[str, Any] = {}
+    for name, layers in (moe_losses or {}).items():
+        moe = [v for v in layers if v != 0.0]
+        out[f"moe_{name}"] = sum(moe) / len(moe) if moe else 0.0
+        out[f"moe_{name}_per_layer"] = list(layers)
+    return out

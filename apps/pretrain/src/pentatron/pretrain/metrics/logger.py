@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .console import ConsoleSink, format_eval_lines, format_train_line
-from .interval import IntervalStats
+from .interval import IntervalStats, moe_record
 from .sinks import JsonlSink, TensorBoardSink
 from .throughput import format_eta, peak_memory_bytes, tflops_per_device
 
@@ -151,6 +151,7 @@ class TrainingLogger:
             "tokens_per_s": tokens_s,
             "tflops_per_device": tflops,
             "memory_bytes": memory,
+            **moe_record(s.moe_losses),
             "eta_s": dt * max(0, self.train_iters - iteration) if dt is not None else None,
         }
 

@@ -28,6 +28,8 @@ def _json_safe(value: Any) -> Any:
     """NaN / Inf become `null`: strict JSON readers (jq, JavaScript) reject `NaN`."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
     return value
 
 
@@ -70,6 +72,12 @@ class TensorBoardSink:
         iteration = record["iteration"]
         for tag, key in TRAIN_TAGS.items():
             self._add(tag, record.get(key), iteration)
+        for key, value in record.items():  # MoE aux losses: mean and per layer
+            if key.startswith("moe_") and key.endswith("_per_layer"):
+                name = key[len("moe_") : -len("_per_layer")]
+                self._add(name, record.get(f"moe_{name}"), iteration)
+                for layer, v in enumerate(value, start=1):
+                    self._add(f"moe/{name}_layer_{layer}", v, iteration)
         if record.get("consumed_samples") is not None:
             self._add("lm loss vs samples", record.get("lm_loss"), record["consumed_samples"])
         self.writer.flush()

@@ -125,6 +125,7 @@ class Trainer:
                 "elapsed_s": elapsed,
                 "consumed_samples": state.consumed_samples,
                 "global_batch_size": global_batch_size(args, state.consumed_samples),
+                "moe_losses": out.moe_losses,
             },
         )
 

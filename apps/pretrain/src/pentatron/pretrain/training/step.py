@@ -3,7 +3,9 @@
 `train_step`: zero the grad buffers, run the pipeline schedule (forward and backward of
 every micro-batch), finalize the grads (dp reduction, tied embeddings, sequence-parallel
 norms), step the optimizer unless the loss was not finite, and return what the logger
-needs. The step's verdict (loss finite?) is agreed by every rank with one all-reduce, so a
+needs. MoE models also update the routers' expert biases after the optimizer step (the
+same on every rank) and report each layer's aux losses, averaged over micro-batches and
+the ranks that saw the tokens. The step's verdict (loss finite?) is agreed by every rank with one all-reduce, so a
 NaN on the last stage never leaves the other stages waiting in a collective.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pentatron.models import collect_moe_aux_losses, reset_moe_aux_losses, update_expert_bias
 from pentatron.optim import finalize_model_grads
 from pentatron.parallel_state import ProcessGrid, comm
 from pentatron.pipeline import PipelineConfig, get_forward_backward_func
@@ -29,6 +32,7 @@ class StepOutput:
     grad_norm: float | None
     num_zeros: int | None
     loss_scale: float | None
+    moe_losses: dict[str, list[float]] | None = None  # name -> per-layer value (MoE only)
 
 
 def reduce_losses(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> float | None:
@@ -70,6 +74,10 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
                 c.scale_gradients(grid.size("dp") / max(float(n), 1.0))
 
     hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
+    if getattr(args, "num_experts", None):
+        from pentatron.models import set_aux_loss_scale
+
+        hooks["aux_loss_scale_func"] = set_aux_loss_scale
     if args.overlap_grad_reduce:
         hooks["grad_sync_func"] = [lambda params, c=c: c.start_grad_sync() for c in chunks]
     return make(args, **hooks)
@@ -122,9 +130,12 @@ def train_step(
     reduced = run_schedule(args, chunks, iterators, forward_step, pcfg, grid, num_microbatches)
     finite = _all_finite(reduced, chunks, grid, args.check_for_nan_in_loss_and_grad)
     loss = reduce_losses(reduced, grid)
+    moe = _moe_losses(args, chunks, grid)
     if not finite:
-        return StepOutput(loss, False, False, None, None, None)
+        return StepOutput(loss, False, False, None, None, None, moe)
     result = optimizer.step()
+    if getattr(args, "num_experts", None):
+        update_expert_bias(chunks, grid.group("tp-dp-cp"))
     return StepOutput(
         loss,
         True,
@@ -132,7 +143,17 @@ def train_step(
         result.grad_norm,
         result.num_zeros_in_grad,
         result.loss_scale,
+        moe,
     )
+
+
+def _moe_losses(args, chunks, grid: ProcessGrid) -> dict[str, list[float]] | None:
+    """This step's per-layer aux losses (collective over pp and tp-dp-cp), then reset."""
+    if not getattr(args, "num_experts", None):
+        return None
+    losses = collect_moe_aux_losses(chunks, grid)
+    reset_moe_aux_losses(chunks)
+    return {name: [float(v) for v in values] for name, values in losses.items()}
 
 
 @torch.no_grad()
