@@ -1,0 +1,221 @@
+"""Activation bytes saved for backward, per micro-batch, for Pentatron's modules.
+
+Each term is a tensor that autograd keeps (derived from the code and checked against
+`measure`'s saved-tensor hooks). Notation: s sequence (divided by cp), b micro-batch,
+h hidden, t tp, s' = s/t with sequence parallelism else s (norm / residual region),
+e = bytes of the activation dtype (the params dtype), nq/ng heads/groups, d head dim,
+F ffn, F1 = 2F with SwiGLU else F, V padded vocabulary.
+
+Per transformer layer (no recompute):
+- each RMSNorm (2 per layer): its input as fp32 `4 s'bh`, the fp32 rstd `4 s'b`, the
+  normalised tensor `e s'bh`, its output (kept by the next linear) `e s'bh`;
+  LayerNorm: input `4 s'bh`, mean + rstd `8 s'b`, output `e s'bh` (+ fp32 weight copy `4h`
+  in 16-bit);
+- attention: the fused QKV output `e sb(nq+2ng)d/t` (RoPE and SDPA keep views of it);
+  RoPE's rotated q and k `e sb(nq+ng)d/t` (+ in 16-bit the cos/sin casts `4 e s b_pos r`);
+  with GQA the repeated k and v `2 e sb nq d/t`; SDPA's output `e sb nq d/t` (also the
+  input of linear_proj) and its fp32 log-sum-exp `4 b nq/t s`. SDPA is a flash kernel: no
+  `s x s` matrix is stored, which is why Korthikanti's `5as/h` term is absent;
+- MLP: fc1 output `e sb F1/t`; SwiGLU's silu(gate) and silu(gate)*up `2 e sb F/t`
+  (GeLU: its output `e sb F/t`);
+- dropout (p > 0): a mask per dropped element (not in the measured matrix).
+Selective recompute checkpoints core attention: its inputs stay (q, k, QKV output), the
+log-sum-exp and the GQA repeats go. Full recompute keeps only each checkpoint's input
+`e s'bh` (uniform: one per group of recompute_num_layers; block: the first k layers, the
+rest as without recompute) plus the chunk's RoPE tables.
+Per chunk: RoPE cos/sin `2 x 4 s b_pos r` (b_pos = b where position ids come with the batch,
+the first stage; else 1) in fp32 models; embedding: the token batch `4 x 8 bs` (int64
+tokens/labels/mask/positions share one storage), with tp also the local ids `8 bs` and
+the foreign mask `bs`; output: final norm, fp32 softmax of the logits `4 s b V/t`, labels
+`8 bs`, the foreign-target mask `bs`, the loss mask `4 bs` and the token count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import MemoryPlan
+from .static import chunk_layers, is_first_chunk, is_last_chunk
+
+
+@dataclass
+class ActivationTerms:
+    """Bytes per module for one micro-batch of one chunk."""
+
+    embedding: int = 0
+    attention_norm: int = 0
+    attention: int = 0
+    core_attention: int = 0
+    mlp_norm: int = 0
+    mlp: int = 0
+    moe_dispatch: int = 0
+    recompute_inputs: int = 0
+    rope: int = 0
+    output_layer: int = 0
+    final_norm: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(vars(self).values())
+
+    def add(self, other: ActivationTerms) -> None:
+        for k in vars(self):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+def _seq(plan: MemoryPlan) -> int:
+    return plan.seq_length // plan.cp
+
+
+def _norm_bytes(plan: MemoryPlan, s_: int, b: int, e: int) -> int:
+    h = plan.config.hidden_size
+    if plan.config.normalization == "RMSNorm":
+        return (4 + 2 * e) * s_ * b * h + 4 * s_ * b
+    return (4 + e) * s_ * b * h + 8 * s_ * b + (4 * h if e != 4 else 0)
+
+
+def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms:
+    c, t, b, e = plan.config, plan.tp, plan.micro_batch_size, plan.param_bytes
+    s = _seq(plan)
+    s_ = s // t if c.sequence_parallel else s
+    d, nq, ng = c.kv_channels, c.num_attention_heads // t, c.num_query_groups // t
+    sb = s * b
+    out = ActivationTerms()
+    out.attention_norm = out.mlp_norm = _norm_bytes(plan, s_, b, e)
+    att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
+    if c.position_embedding_type == "rope" and e != 4:
+        att += 4 * e * s * _pos_batch(plan, first) * c.rotary_dim  # cos/sin casts, q and k
+    out.attention, out.core_attention = att, core
+    ffn = c.moe_ffn_size if is_moe else c.ffn_hidden_size
+    f1 = ffn * (2 if c.gated_linear_unit else 1)
+    mlp = e * sb * f1 // t + e * sb * ffn // t * (2 if c.gated_linear_unit else 1)
+    if is_moe:
+        mlp, out.moe_dispatch = _moe_terms(plan, s_, b, e)
+    out.mlp = mlp
+    return out
+
+
+def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
+    """(QKV/RoPE/SDPA-input bytes, core-attention bytes). RoPE's multiplies keep only
+    cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
+    unless GQA repeats them (then the repeats are kept instead); q is a copy with RoPE or
+    GQA. Selective recompute keeps the checkpoint's inputs q, k, v (before any repeat)."""
+    c = plan.config
+    rope, gqa = c.position_embedding_type == "rope", nq != ng
+    selective = c.recompute_granularity == "selective"
+    att = e * sb * nq * d if (rope or gqa) else 0
+    if selective or not gqa:
+        att += e * sb * (nq + 2 * ng) * d + (e * sb * ng * d if rope else 0)
+    else:
+        att += 2 * e * sb * nq * d
+    core = e * sb * nq * d + (0 if selective else 4 * b * nq * sb // b)
+    return att, core
+
+
+def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int]:
+    """Routed tokens: each of s'b tokens goes to k experts (times the capacity factor when
+    dropping); the expert MLP keeps fc1/act per routed token, the dispatcher keeps the
+    permuted tokens `e h` and the router its fp32 probs `4 E`. An estimate (not measured)."""
+    c = plan.config
+    k, f = c.moe_router_topk, c.moe_ffn_size
+    tokens = s_ * b * k * (c.moe_expert_capacity_factor or 1.0)
+    f_local = f // plan.etp
+    per_token = e * f_local * (2 if c.gated_linear_unit else 1) + e * f_local * (
+        2 if c.gated_linear_unit else 1
+    )
+    mlp = int(tokens * per_token)
+    if c.moe_shared_expert_intermediate_size:
+        fs = c.moe_shared_expert_intermediate_size // plan.tp
+        mlp += e * plan.seq_length // plan.cp * b * fs * (4 if c.gated_linear_unit else 2)
+    dispatch = int(tokens * e * c.hidden_size) + 4 * s_ * b * c.num_moe_experts
+    return mlp, dispatch
+
+
+def _pos_batch(plan: MemoryPlan, first: bool) -> int:
+    return plan.micro_batch_size if first else 1
+
+
+def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerms:
+    """Saved bytes of one micro-batch's forward through chunk `vp` of stage `pp_rank`."""
+    c, t, b, e = plan.config, plan.tp, plan.micro_batch_size, plan.param_bytes
+    s = _seq(plan)
+    s_ = s // t if c.sequence_parallel else s
+    first, last = is_first_chunk(plan, pp_rank, vp), is_last_chunk(plan, pp_rank, vp)
+    layers = list(chunk_layers(plan, pp_rank, vp))
+    moe = c.moe_layer_pattern() if c.is_moe else [False] * c.num_layers
+    out = ActivationTerms()
+    if c.position_embedding_type == "rope" and (e == 4 or c.recompute_granularity == "full"):
+        out.rope = 2 * 4 * s * _pos_batch(plan, first) * c.rotary_dim
+    if first:
+        # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask
+        out.embedding = (8 + 1) * b * s if t > 1 else 4 * 8 * b * plan.seq_length
+    stored = _stored_layers(plan, len(layers))
+    for i, layer in enumerate(layers):
+        if i in stored:
+            out.add(_layer_terms(plan, moe[layer], first))
+    out.recompute_inputs = _num_checkpoints(plan, len(layers)) * e * s_ * b * c.hidden_size
+    if last:
+        out.final_norm = _norm_bytes(plan, s_, b, e)
+        out.output_layer = 4 * s * b * plan.padded_vocab_size // t + (8 + 1 + 4) * s * b + 4
+    return out
+
+
+def _stored_layers(plan: MemoryPlan, n: int) -> set[int]:
+    """Local layers whose activations are stored (not inside a full-recompute checkpoint)."""
+    c = plan.config
+    if c.recompute_granularity != "full":
+        return set(range(n))
+    if c.recompute_method == "block":
+        return set(range(min(c.recompute_num_layers, n), n))
+    return set()
+
+
+def _num_checkpoints(plan: MemoryPlan, n: int) -> int:
+    c = plan.config
+    if c.recompute_granularity != "full" or n == 0:
+        return 0
+    k = c.recompute_num_layers
+    return min(k, n) if c.recompute_method == "block" else -(-n // k)
+
+
+def microbatches_in_flight(plan: MemoryPlan, pp_rank: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of a whole
+    stage's micro-batch (all its chunks). 1F1B: min(p - r, m). Interleaved: the warm-up
+    of (p - r - 1)*2 + (v - 1)*p chunk-forwards plus the one in steady state, capped at
+    m*v, divided by v chunks per micro-batch."""
+    p, m, v = plan.pp, plan.num_microbatches, plan.vpp
+    if v == 1:
+        return min(p - pp_rank, m)
+    warmup = min((p - pp_rank - 1) * 2 + (v - 1) * p, m * v)
+    return min(warmup + 1, m * v) / v
+
+
+def korthikanti_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str | None = None
+) -> float:
+    """Textbook bytes per layer (Korthikanti et al. 2022, 16-bit): `sbh(34 + 5as/h)`;
+    tp without sp: `sbh(10 + 24/t + 5as/(ht))`; tp+sp: `/t`; selective drops `5as/h`;
+    full keeps `2sbh`."""
+    if recompute == "full":
+        return 2 * s * b * h
+    attn = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h * (34 + attn) / t
+    return s * b * h * (10 + 24 / t + attn / t)
+
+
+@dataclass
+class StageActivations:
+    per_microbatch: ActivationTerms = field(default_factory=ActivationTerms)
+    in_flight: float = 1.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.per_microbatch.total * self.in_flight)
+
+
+def stage_activations(plan: MemoryPlan, pp_rank: int) -> StageActivations:
+    terms = ActivationTerms()
+    for vp in range(plan.vpp):
+        terms.add(chunk_activations(plan, pp_rank, vp))
+    return StageActivations(terms, microbatches_in_flight(plan, pp_rank))

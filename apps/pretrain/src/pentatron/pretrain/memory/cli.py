@@ -1,0 +1,121 @@
+"""`pentatron-memory`: GPU memory per pipeline stage for a pentatron-pretrain run.
+
+    pentatron-memory --preset gpt3-175b --world-size 1024 --tensor-model-parallel-size 8 \
+        --pipeline-model-parallel-size 8 --sequence-parallel --use-distributed-optimizer \
+        --recompute-granularity selective --bf16 --micro-batch-size 1 \
+        --global-batch-size 1536 --device-memory-gb 80 [--json] [--plot out.png]
+
+Takes pentatron-pretrain's flags and `--config file.yaml` (the app's parser and
+`validate_args`, so an impossible layout fails with the app's message), or a `--preset` /
+`--hf-config` for the model, whose values the explicit flags override. MoE and context
+parallelism, which the app does not train yet, are sized here: `--num-experts`,
+`--expert-model-parallel-size`, `--context-parallel-size` are checked by TransformerConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ..arguments import ArgumentError, _yaml_defaults, build_parser, validate_args
+from .plan import MemoryPlan, MemoryPlanError, derive_dp, plan_from_args
+from .presets import from_hf_config, preset
+from .report import memory_report, plot, print_table
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = build_parser()
+    p.prog = "pentatron-memory"
+    p.description = "Memory per GPU and pipeline stage for a pentatron-pretrain run."
+    g = p.add_argument_group("memory calculator")
+    g.add_argument(
+        "--preset", default=None, help="gpt3-175b, llama3-8b/70b/405b, mixtral-8x7b, deepseek-v3"
+    )
+    g.add_argument("--hf-config", default=None, help="a Hugging Face config.json")
+    g.add_argument("--world-size", type=int, default=None, help="default: tp*pp*cp (dp 1)")
+    g.add_argument("--device-memory-gb", type=float, default=None)
+    g.add_argument("--json", action="store_true", help="print the stages as JSON")
+    g.add_argument("--plot", default=None, help="write a stacked bar chart (PNG)")
+    return p
+
+
+def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Dests the user set on the command line (they override the preset)."""
+    sentinel = argparse.Namespace(**{a.dest: None for a in parser._actions})
+    parser.parse_known_args(argv, namespace=sentinel)
+    defaults = {a.dest: a.default for a in parser._actions}
+    return {k for k, v in vars(sentinel).items() if v is not None and v != defaults.get(k)}
+
+
+MOE_FLAGS = ("num_experts", "expert_model_parallel_size", "context_parallel_size")
+
+
+def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
+    """Parse, apply preset/HF config, validate with the app's rules; the plan and args."""
+    parser = _parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**_yaml_defaults(parser, first.config))
+    model, moe = {}, {}
+    if first.preset and first.hf_config:
+        raise MemoryPlanError("--preset and --hf-config are exclusive; fix: pass one")
+    if first.preset:
+        model, moe = preset(first.preset)
+    elif first.hf_config:
+        model, moe = from_hf_config(first.hf_config)
+    args = parser.parse_args(argv)
+    explicit = _explicit(parser, argv)
+    for k, v in model.items():
+        if k not in explicit:
+            setattr(args, k, v)
+    return _validated(args, moe)
+
+
+def _validated(args: argparse.Namespace, moe: dict) -> tuple[MemoryPlan, argparse.Namespace]:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+    if args.num_experts:
+        moe = {**moe, "num_moe_experts": args.num_experts}
+    world = tp * pp * cp if args.world_size is None else args.world_size
+    dp = derive_dp(world, tp, pp, cp, ep, tp)
+    # The app does not train MoE / cp yet (validate_args refuses them); size them here.
+    for name in MOE_FLAGS:
+        setattr(args, name, None if name == "num_experts" else 1)
+    if args.train_iters is None and args.train_samples is None:
+        args.train_iters = 1
+    args.mock_data = True
+    validate_args(args, world // cp, cuda=True)
+    plan = plan_from_args(args)
+    fields = dict(moe, context_parallel_size=cp, expert_model_parallel_size=ep)
+    plan.config = dataclasses.replace(plan.config, **fields)
+    plan.dp = dp
+    plan.name = args.preset or args.hf_config or "custom"
+    if plan.config.is_moe and plan.config.num_moe_experts % ep:
+        raise MemoryPlanError(
+            f"--expert-model-parallel-size={ep}: must divide the {plan.config.num_moe_experts} "
+            "experts; fix: pick a divisor"
+        )
+    return plan, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        plan, args = build_plan(argv)
+    except (ArgumentError, MemoryPlanError, ValueError) as exc:
+        print(f"pentatron-memory: error: {exc}", file=sys.stderr)
+        return 2
+    stages = memory_report(plan, args.device_memory_gb)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in stages], indent=1))
+    else:
+        print_table(plan, stages)
+    if args.plot:
+        plot(plan, stages, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

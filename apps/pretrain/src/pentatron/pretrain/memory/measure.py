@@ -1,0 +1,191 @@
+"""Measure one training step's memory on this rank: the ground truth for the calculator.
+
+`measure(argv)` runs the real app (arguments, grid, model chunks, DDP, optimizer, the 1F1B /
+interleaved schedule, one optimizer step) on random tokens and returns, for this rank:
+- static bytes read off the tensors: params (unique storages, so the distributed
+  optimizer's padded param buffer counts whole), grad buffers, fp32 main params that own
+  their storage, optimizer state (Adam m, v and `step`);
+- activation bytes saved for backward per micro-batch, from
+  `torch.autograd.graph.saved_tensors_hooks` counting unique storages that are not
+  parameters, and their peak under the schedule: a micro-batch is live from its forward
+  until the first of its saved tensors is unpacked (its backward starts).
+
+Run inside an initialised process group (the test harness, or torchrun):
+`torchrun --nproc-per-node 4 -m pentatron.pretrain.memory.measure --tensor-model-parallel-size 2 ...`
+prints one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["MeasuredMemory", "measure", "main"]
+
+
+@dataclass
+class MeasuredMemory:
+    """What one rank held in one training step (bytes)."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    num_parameters: int
+    weights_bytes: int
+    grads_bytes: int
+    main_params_bytes: int
+    optimizer_bytes: int
+    activations_per_microbatch: list[int] = field(default_factory=list)
+    peak_activations_bytes: int = 0
+    peak_microbatches_in_flight: int = 0
+
+
+class _SavedTensorLedger:
+    """Attributes each saved tensor's storage to the micro-batch whose forward saved it."""
+
+    def __init__(self, param_storages: set[int]) -> None:
+        self.param_storages = param_storages
+        self.per_mb: list[dict[int, int]] = []
+        self.current: int | None = None
+        self.live: set[int] = set()
+        self.peak, self.peak_count = 0, 0
+
+    def start_forward(self) -> None:
+        self._snapshot()
+        self.per_mb.append({})
+        self.current = len(self.per_mb) - 1
+        self.live.add(self.current)
+
+    def _snapshot(self) -> None:
+        total = sum(sum(self.per_mb[m].values()) for m in self.live)
+        if total > self.peak:
+            self.peak = total
+        self.peak_count = max(self.peak_count, len(self.live))
+
+    def pack(self, t: torch.Tensor) -> Any:
+        # Packs outside a forward are backward-time recomputation: transient, not counted.
+        if self.current is not None:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self.param_storages and st.nbytes() > 0:
+                self.per_mb[self.current][ptr] = st.nbytes()
+        return (self.current, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        mb, t = packed
+        self.current = None  # a backward is running: later packs are recomputation
+        if mb in self.live:
+            self._snapshot()  # loss_func's tensors were saved after forward_step returned
+            self.live.discard(mb)
+        return t
+
+
+def _random_batches(args: Any, seed: int):
+    """Endless micro-batches of uniform random tokens `[b, s]` (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    b, s, v = args.micro_batch_size, args.seq_length, args.vocab_size
+    pos = torch.arange(s).expand(b, s)
+    while True:
+        tokens = torch.randint(0, v, (b, s + 1), generator=g)
+        yield {
+            "tokens": tokens[:, :-1],
+            "labels": tokens[:, 1:],
+            "loss_mask": torch.ones(b, s),
+            "position_ids": pos,
+        }
+
+
+def _static_bytes(chunks, optimizer) -> dict[str, int]:
+    params = [p for c in chunks for p in c.module.parameters()]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    grads = sum(b.grad_data.nbytes for c in chunks for b in c.all_buffers)
+    mains = sum(mp.main.nbytes for mp in optimizer.main_params if mp.owns_storage)
+    state = sum(
+        v.nbytes
+        for s in optimizer.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    return {
+        "num_parameters": sum(p.numel() for p in params),
+        "weights_bytes": sum(storages.values()),
+        "grads_bytes": grads,
+        "main_params_bytes": mains,
+        "optimizer_bytes": state,
+    }
+
+
+def _args_for(argv: list[str], world_size: int):
+    from ..arguments import parse_args, validate_args
+
+    base = ["--mock-data", "--train-iters", "1", "--device", "cpu"]
+    args = validate_args(parse_args(base + list(argv)), world_size)
+    args.vocab_size = args.vocab_size or 256
+    return args
+
+
+def measure(argv: list[str]) -> MeasuredMemory:
+    """One training step of the app with `argv` (pentatron-pretrain flags) on this rank."""
+    import torch.distributed as dist
+
+    from pentatron.parallel_state import destroy_model_parallel
+
+    from .. import pretrain_gpt
+    from ..gpt_step import make_forward_step
+    from ..training import configs, setup, step
+
+    args = _args_for(argv, dist.get_world_size())
+    grid = setup.initialize(args)
+    try:
+        provider = lambda pre, post, vp_stage=None: pretrain_gpt.model_provider(  # noqa: E731
+            args, grid, args.vocab_size, pre, post, vp_stage
+        )
+        chunks, optimizer, _ = setup.setup_model_and_optimizer(provider, args, grid)
+        iters = setup.build_iterators(lambda: _random_batches(args, args.seed), args, grid)
+        storages = {p.untyped_storage().data_ptr() for c in chunks for p in c.module.parameters()}
+        ledger = _SavedTensorLedger(storages)
+        inner = make_forward_step(grid, args.micro_batch_size, args.seq_length)
+
+        def forward_step(data_iterator, model):
+            ledger.start_forward()
+            return inner(data_iterator, model)
+
+        pcfg = step.make_pipeline_config(args, chunks, grid, configs.pipeline_config)
+        with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
+            step.train_step(
+                args, chunks, iters, forward_step, optimizer, pcfg, grid, args.num_microbatches
+            )
+        static = _static_bytes(chunks, optimizer)
+        return MeasuredMemory(
+            rank=dist.get_rank(),
+            pp_rank=grid.rank("pp"),
+            tp_rank=grid.rank("tp"),
+            dp_rank=grid.rank("dp"),
+            activations_per_microbatch=[sum(m.values()) for m in ledger.per_mb],
+            peak_activations_bytes=ledger.peak,
+            peak_microbatches_in_flight=ledger.peak_count,
+            **static,
+        )
+    finally:
+        destroy_model_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry: print this rank's MeasuredMemory as one JSON line."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    result = measure(sys.argv[1:] if argv is None else argv)
+    print(json.dumps(asdict(result)), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""The calculator against one measured training step (gloo, CPU) over a layout matrix.
+
+Static terms (weights, grad buffers, main params, optimizer state) must equal the bytes of
+the tensors exactly; activations per micro-batch within 5 % of the bytes saved for
+backward (saved-tensor hooks, unique storages); the peak under the schedule within 10 %.
+MoE is not in the matrix (see docs/memory.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--swiglu",
+    "--ffn-hidden-size",
+    "128",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "256",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--disable-bias-linear",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
+BF16 = ["--bf16"]
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+
+LAYOUTS = {
+    1: {
+        "fp32": [],
+        "bf16-gqa-selective": BF16 + GQA + ["--recompute-granularity", "selective"],
+        "full-uniform": [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "2",
+        ],
+        "bf16-full-block": [
+            *BF16,
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "1",
+        ],
+    },
+    2: {
+        "tp2-sp-bf16": BF16 + GQA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "tp2-learned": [
+            "--tensor-model-parallel-size",
+            "2",
+            "--position-embedding-type",
+            "learned_absolute",
+            "--untie-embeddings-and-output-weights",
+        ],
+        "pp2-1f1b": [*BF16, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+        "dp2-distopt-bf16": [
+            *BF16,
+            "--use-distributed-optimizer",
+            "--global-batch-size",
+            "4",
+            "--overlap-grad-reduce",
+            "--ddp-bucket-size",
+            "20000",
+        ],
+    },
+    4: {
+        "tp2-pp2-vpp2-sp": [
+            *BF16,
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--global-batch-size",
+            "8",
+        ],
+        "pp2-dp2-distopt": [
+            *BF16,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--global-batch-size",
+            "8",
+        ],
+    },
+}
+CASES = [(w, name) for w, layouts in LAYOUTS.items() for name in layouts]
+
+
+def _measure_all(layouts: dict[str, list[str]]) -> dict[str, dict]:
+    from pentatron.pretrain.memory.measure import measure
+
+    return {name: asdict(measure(TINY + flags)) for name, flags in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def measured(distributed):
+    out = {}
+    for world, layouts in LAYOUTS.items():
+        for per_layout in distributed.run(world, _measure_all, layouts):
+            for name, result in per_layout.items():
+                out.setdefault((world, name), []).append(result)
+    return out
+
+
+def _plan(world: int, flags: list[str]):
+    from pentatron.pretrain.memory.measure import _args_for
+    from pentatron.pretrain.memory.plan import plan_from_args
+
+    return plan_from_args(_args_for(TINY + flags, world))
+
+
+@pytest.mark.parametrize("world,name", CASES)
+def test_static_terms_exact(measured, world, name):
+    from pentatron.pretrain.memory.static import static_bytes
+
+    plan = _plan(world, LAYOUTS[world][name])
+    for r in measured[(world, name)]:
+        want = asdict(static_bytes(plan, r["pp_rank"], dp_rank=r["dp_rank"]))
+        got = {k: r[k] for k in want}
+        assert got == want, f"rank {r['rank']}"
+
+
+@pytest.mark.parametrize("world,name", CASES)
+def test_activations_within_5_percent(measured, world, name):
+    from pentatron.pretrain.memory.activations import stage_activations
+
+    plan = _plan(world, LAYOUTS[world][name])
+    for r in measured[(world, name)]:
+        predicted = stage_activations(plan, r["pp_rank"]).per_microbatch.total
+        # Each entry is one chunk-forward; a stage's m micro-batches pass all its v chunks.
+        got = sum(r["activations_per_microbatch"]) / plan.num_microbatches
+        print(f"{name} rank {r['rank']}: per micro-batch rel err {got / predicted - 1:+.4f}")
+        assert got == pytest.approx(predicted, rel=0.05), f"rank {r['rank']}"
+
+
+@pytest.mark.parametrize("world,name", CASES)
+def test_peak_under_schedule_within_10_percent(measured, world, name):
+    from pentatron.pretrain.memory.activations import stage_activations
+
+    plan = _plan(world, LAYOUTS[world][name])
+    for r in measured[(world, name)]:
+        predicted = stage_activations(plan, r["pp_rank"]).peak_bytes
+        got = r["peak_activations_bytes"]
+        print(f"{name} rank {r['rank']}: peak rel err {got / predicted - 1:+.4f}")
+        assert r["peak_activations_bytes"] == pytest.approx(predicted, rel=0.10), (
+            f"rank {r['rank']} in flight {r['peak_microbatches_in_flight']}"
+        )
