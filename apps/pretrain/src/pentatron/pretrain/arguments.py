@@ -62,6 +62,7 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"])
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true")

@@ -33,8 +33,6 @@ def _parallel_layout(args: argparse.Namespace, world_size: int) -> None:
         args.pipeline_model_parallel_size,
         args.context_parallel_size,
     )
-    if cp > 1:
-        _fail("context-parallel-size", cp, "context parallelism is not in this release", "use 1")
     if args.expert_model_parallel_size > 1 or args.num_experts:
         _fail(
             "num-experts" if args.num_experts else "expert-model-parallel-size",
@@ -58,6 +56,43 @@ def _parallel_layout(args: argparse.Namespace, world_size: int) -> None:
             args.seq_length,
             f"with --sequence-parallel it must be divisible by tp={tp}",
             "pick a multiple of the tensor-parallel size",
+        )
+
+
+def _context_parallel(args: argparse.Namespace) -> None:
+    """cp rules: the sequence splits into 2*cp chunks (and each over tp with SP); a2a
+    shards heads and groups over tp*cp; no attention dropout or custom masks."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    split = 2 * cp * (tp if args.sequence_parallel else 1)
+    if args.seq_length % split:
+        what = f"2*cp*tp = 2*{cp}*{tp}" if args.sequence_parallel else f"2*cp = 2*{cp}"
+        _fail(
+            "seq-length",
+            args.seq_length,
+            f"with --context-parallel-size {cp} it must be divisible by {what} = {split} "
+            "(load-balanced causal chunks)",
+            f"pick a multiple of {split}",
+        )
+    if args.cp_comm_type == "a2a":
+        for flag, value in (
+            ("num-attention-heads", args.num_attention_heads),
+            ("num-query-groups", args.num_query_groups),
+        ):
+            if value % (tp * cp):
+                _fail(
+                    flag,
+                    value,
+                    f"--cp-comm-type a2a shards heads and groups over tp*cp = {tp * cp}",
+                    "use --cp-comm-type p2p or all_gather, or a cp that divides them",
+                )
+    if args.attention_dropout > 0:
+        _fail(
+            "attention-dropout",
+            args.attention_dropout,
+            "context-parallel attention has no attention dropout",
+            "pass --attention-dropout 0",
         )
 
 
@@ -297,6 +332,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False)
         "micro_batch_size",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
+        "context_parallel_size",
         "log_interval",
         "eval_interval",
         "train_iters",
@@ -306,6 +342,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False)
     _parallel_layout(args, world_size)
     _virtual_stages(args)
     _model_shape(args)
+    _context_parallel(args)
     _batch(args)
     _training_length(args)
     _precision_and_gpu(args, cuda)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pentatron.models.context_parallel import get_batch_on_this_cp_rank
 from pentatron.parallel_state import ProcessGrid, comm
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -28,7 +29,9 @@ def get_batch(
 
     Only chunks that embed (first stage) or compute the loss (last stage) need data; others
     get None and do not advance their iterator. Only tp rank 0 reads; one int64 broadcast
-    of [4, b, s] gives the other tp ranks the same batch.
+    of [4, b, s] gives the other tp ranks the same batch. With context parallelism each
+    tensor is then cut to this cp rank's load-balanced chunks, [b, s/cp] (position_ids
+    keep their global values).
     """
     chunk = _unwrap(model)
     if not (chunk.pre_process or chunk.post_process):
@@ -44,23 +47,33 @@ def get_batch(
         comm.broadcast(packed, src=src, group=grid.group("tp"))
     out = dict(zip(BATCH_KEYS, packed.unbind(0)))
     out["loss_mask"] = out["loss_mask"].float()
-    return out
+    return get_batch_on_this_cp_rank(out, grid.size("cp"), grid.rank("cp"))
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, cp_group: Any = None):
     """Masked per-token loss: (sum of losses, token count, {"lm loss": [sum, count]}).
 
-    `output` is the model's per-token loss [b, s]. The schedule divides by the token count
-    (or, with --calculate-per-token-loss, the step's total); the reported pair lets the
-    logger average over micro-batches and dp exactly. A NaN/Inf stays in the report: the
-    training step agrees on it across ranks and stops or skips.
+    `output` is the model's per-token loss [b, s] ([b, s/cp] with context parallelism). The
+    schedule divides by the token count (or, with --calculate-per-token-loss, the step's
+    total); the reported pair lets the logger average over micro-batches and dp exactly. A
+    NaN/Inf stays in the report: the training step agrees on it across ranks and stops or
+    skips.
+
+    With cp > 1 (`cp_group`), [sum, count] is all-reduced over cp so the count and the
+    report cover the whole sequence, and the differentiable loss is this rank's sum times
+    cp: DDP averages grads over dp x cp, so the cp ranks' grads add up to the grad of the
+    full sequence's sum (Megatron's rule), in both per-micro-batch and per-token modes.
     """
     mask = loss_mask.reshape(-1).float()
     losses = output.float().reshape(-1)
     loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
-    return loss, num_tokens, {"lm loss": report}
+    pair = torch.stack([loss.detach().clone(), mask.sum().detach()])
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    if cp > 1:
+        comm.all_reduce(pair, group=cp_group)
+        loss = loss * cp
+    num_tokens = pair[1].to(torch.int)
+    return loss, num_tokens, {"lm loss": pair}
 
 
 def forward_step(
@@ -74,7 +87,8 @@ def forward_step(
     labels = batch["labels"] if batch is not None and chunk.post_process else None
     output = model(tokens, position_ids, labels=labels)
     mask = batch["loss_mask"] if batch is not None else None
-    return output, partial(loss_func, mask)
+    cp_group = grid.group("cp") if grid.size("cp") > 1 else None
+    return output, partial(loss_func, mask, cp_group=cp_group)
 
 
 def make_forward_step(grid: ProcessGrid, micro_batch_size: int, seq_length: int):

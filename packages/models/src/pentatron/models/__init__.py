@@ -10,9 +10,22 @@ Conversion to and from Hugging Face Llama lives in `pentatron.models.hf`.
 
 from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from .config import ModelConfigError, RopeScaling, TransformerConfig
+from .context_parallel import (
+    RingAttention,
+    a2a_attention,
+    all_gather_attention,
+    check_cp_seq_len,
+    context_parallel_attention,
+    cp_positions,
+    gather_cp_shards,
+    get_batch_on_this_cp_rank,
+    ring_attention,
+    shard_for_cp_rank,
+)
 from .counting import (
     flops_per_token,
     num_floating_point_operations,
+    num_floating_point_operations_per_rank,
     num_parameters,
     num_parameters_in_model,
 )
@@ -45,6 +58,17 @@ from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 __version__ = "0.1.0"
 
 __all__ = [
+    "RingAttention",
+    "a2a_attention",
+    "all_gather_attention",
+    "check_cp_seq_len",
+    "context_parallel_attention",
+    "cp_positions",
+    "gather_cp_shards",
+    "get_batch_on_this_cp_rank",
+    "num_floating_point_operations_per_rank",
+    "ring_attention",
+    "shard_for_cp_rank",
     "TopKRouter",
     "collect_moe_aux_losses",
     "get_aux_loss_scale",

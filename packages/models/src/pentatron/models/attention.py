@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
 
 from .config import TransformerConfig
+from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .rope import apply_rotary_pos_emb
 from .spec import build_module
 
@@ -42,19 +43,38 @@ class DotProductAttention(torch.nn.Module):
     `[b, 1, s, s]`; None means causal. Attention dropout draws from the tracker's
     model-parallel RNG (each rank's heads differ); under sequence parallelism the whole
     block already runs inside that fork (see TransformerBlock).
+
+    With `config.context_parallel_size > 1` q/k/v hold this cp rank's load-balanced chunks
+    (`[s/cp, b, ., d]`) and attention runs over `cp_group` by `config.cp_comm_type`
+    (see `context_parallel`); GPTModel hands the group in with `set_cp_group`.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        tp_size: int,
+        cp_group: Any = None,
+    ) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
+        self.cp_group = cp_group
         self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.scale = 1.0 / (config.kv_channels**0.5)
+
+    def set_cp_group(self, group: Any) -> None:
+        """The process group of the cp ranks (used when context_parallel_size > 1)."""
+        self.cp_group = group
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Any = None
     ) -> torch.Tensor:
         s, b = q.shape[:2]
+        if self.config.context_parallel_size > 1:
+            p = self.config.attention_dropout if self.training else 0.0
+            check_cp_inputs(self.config, self.cp_group, s, attention_mask, p)
+            return context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
         if self.heads_per_group > 1:
             k = k.repeat_interleave(self.heads_per_group, dim=1)

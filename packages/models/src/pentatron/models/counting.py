@@ -6,6 +6,7 @@ Megatron-LM's formula (training.py, dense model): per layer 12 b s h^2 times
 `(1 + ng/nq + s/h) * (nq d / h)` for attention, `(ffn/h) * (3/2 if SwiGLU else 1)` for
 the MLP, plus the logits `V / (2 L h)`; 12 = 3 GEMMs per weight (forward, dgrad, wgrad)
 x 2 GEMMs x 2 FLOPs per multiply-add. Without attention terms it is the familiar 6N.
+`num_floating_point_operations_per_rank` divides the model total by tp * pp * cp.
 """
 
 from __future__ import annotations
@@ -85,3 +86,22 @@ def model_flops_summary(config: TransformerConfig, seq_length: int, vocab: int) 
         "six_n": 6 * dense,
         "flops_per_token": flops_per_token(config, seq_length, vocab),
     }
+
+
+def num_floating_point_operations_per_rank(
+    config: TransformerConfig, seq_length: int, padded_vocab_size: int, batch_size: int = 1
+) -> float:
+    """FLOPs one rank does in one step on `batch_size` sequences of its data-parallel group.
+
+    The model total (`num_floating_point_operations`, independent of the layout) is split
+    evenly over tp (weights), pp (layers; the logits term is averaged over the stages) and
+    cp: each cp rank holds s/cp tokens for every GEMM, and the causal load-balanced chunks
+    (r, 2cp-1-r) give every cp rank the same share of the s^2 attention term.
+    """
+    total = num_floating_point_operations(config, seq_length, padded_vocab_size, batch_size)
+    split = (
+        config.tensor_model_parallel_size
+        * config.pipeline_model_parallel_size
+        * config.context_parallel_size
+    )
+    return total / split

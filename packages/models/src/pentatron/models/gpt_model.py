@@ -36,6 +36,7 @@ from pentatron.tp_layers import (
 )
 
 from .config import ModelConfigError, TransformerConfig
+from .context_parallel import cp_positions
 from .embedding import LanguageModelEmbedding
 from .parallel import ModelParallel
 from .rope import RotaryEmbedding
@@ -112,6 +113,8 @@ class GPTModel(torch.nn.Module):
             tp_group=par.tp_group,
             tp_size=par.tp_size,
         )
+        if par.cp_size > 1:
+            self._set_cp_group(par.group("cp"))
         if self.post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -123,6 +126,19 @@ class GPTModel(torch.nn.Module):
                 and self.share_embeddings_and_output_weights,
                 sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype,
+            )
+
+    def _set_cp_group(self, group: Any) -> None:
+        """Hand the cp group to every core attention (the layer specs do not carry it)."""
+        attentions = [m for m in self.decoder.modules() if hasattr(m, "set_cp_group")]
+        for module in attentions:
+            module.set_cp_group(group)
+        if self.decoder.layers and not attentions:
+            raise ModelConfigError(
+                f"context_parallel_size={self.config.context_parallel_size} but the layer "
+                "spec's core attention has no set_cp_group: the rule: only the local "
+                "DotProductAttention runs attention over the cp group; fix: use "
+                "get_gpt_layer_local_spec() or context_parallel_size=1"
             )
 
     def _setup_tied_output_weight(self) -> None:
@@ -184,7 +200,14 @@ class GPTModel(torch.nn.Module):
         `attention_mask`: None (causal) or bool, True = masked out, broadcastable to
         `[b, 1, s, s]`. `gather_logits` (default `not parallel_output`): all-gather the
         logits over tp to `[b, s, V_pad]`.
+
+        With context parallelism every `s` above is this cp rank's `s/cp`: input_ids,
+        position_ids (GLOBAL positions) and labels are the rank's shard
+        (`context_parallel.get_batch_on_this_cp_rank`), and the loss is `[b, s/cp]`.
+        position_ids=None means the global positions of the rank's chunks.
         """
+        if self.parallel.cp_size > 1 and position_ids is None:
+            position_ids = self._cp_position_ids(input_ids)
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary = None
         if self.position_embedding_type == "rope":
@@ -207,6 +230,12 @@ class GPTModel(torch.nn.Module):
             logits.float(), labels.transpose(0, 1).contiguous(), self.parallel.tp_group
         )
         return loss.transpose(0, 1).contiguous()
+
+    def _cp_position_ids(self, input_ids: Any) -> torch.Tensor:
+        """`[1, s/cp]`: the global positions of this cp rank's chunks."""
+        cp = self.parallel.cp_size
+        s = self._seq_len(input_ids, None) * cp
+        return cp_positions(s, cp, self.parallel.rank("cp"), device=self._device())[None]
 
     def _seq_len(self, input_ids: Any, position_ids: Any) -> int:
         if position_ids is not None:

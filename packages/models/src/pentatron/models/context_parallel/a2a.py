@@ -1,0 +1,94 @@
+"""All-to-all attention (cp_comm_type="a2a", DeepSpeed-Ulysses).
+
+    q [s/cp, b, n, d] -> all-to-all(cp): sequence shards -> head shards -> [s, b, n/cp, d]
+      (rank-major chunks, reordered to 0..2cp-1) -> causal SDPA -> inverse order
+      -> all-to-all(cp) back -> [s/cp, b, n, d]
+Heads and query groups split over cp in contiguous parts, so q head part j still belongs
+to k/v group part j (GQA). Backward: each all-to-all's grad is the inverse all-to-all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pentatron.parallel_state import comm
+
+
+def _a2a(x: torch.Tensor, group: Any) -> torch.Tensor:
+    x = x.contiguous()  # empty_like would keep a permuted input's strides
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_head(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """`[s/cp, b, n, d]` -> `[s, b, n/cp, d]` (rank-major sequence shards)."""
+    cp = dist.get_world_size(group)
+    s, b, n, d = x.shape
+    parts = x.reshape(s, b, cp, n // cp, d).permute(2, 0, 1, 3, 4)  # [cp, s/cp, b, n/cp, d]
+    return _a2a(parts, group).reshape(cp * s, b, n // cp, d)
+
+
+def _head_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """`[s, b, n/cp, d]` (rank-major shards) -> `[s/cp, b, n, d]`."""
+    cp = dist.get_world_size(group)
+    s, b, n, d = x.shape
+    parts = _a2a(x.reshape(cp, s // cp, b, n, d), group)  # [cp (head part), s/cp, b, n/cp, d]
+    return parts.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * n, d)
+
+
+class SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _head_to_seq(grad, ctx.group), None
+
+
+class HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _head_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_head(grad, ctx.group), None
+
+
+def _chunk_order(cp: int) -> torch.Tensor:
+    """Chunk index (of 2cp) of each rank-major gathered chunk: [0, 2cp-1, 1, 2cp-2, ...]."""
+    return torch.tensor([c for r in range(cp) for c in (r, 2 * cp - 1 - r)])
+
+
+def a2a_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
+    """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[s/cp, b, n, d]` (causal)."""
+    cp = dist.get_world_size(group)
+    n, g = q.size(2), k.size(2)
+    if n % cp or g % cp:
+        raise ValueError(
+            f"cp_comm_type='a2a' on {n} query heads / {g} groups per tp rank with "
+            f"context_parallel_size={cp}: the rule: heads and query groups per tp rank must "
+            "divide by cp; fix: use cp_comm_type='p2p' or 'all_gather'"
+        )
+    q, k, v = (SeqToHead.apply(x, group) for x in (q, k, v))  # [s, b, ·/cp, d]
+    s = q.size(0)
+    order = _chunk_order(cp)  # gathered chunk i is global chunk order[i]
+    inverse = torch.argsort(order)
+    chunk = s // (2 * cp)
+    perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
+    q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
+    rep = n // g
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out = out.permute(2, 0, 1, 3)  # [s, b, n/cp, d] in global order
+    back = torch.argsort(perm)
+    return HeadToSeq.apply(out.index_select(0, back).contiguous(), group)

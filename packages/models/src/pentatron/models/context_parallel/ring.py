@@ -1,0 +1,156 @@
+"""Ring attention (cp_comm_type="p2p"): K/V blocks travel around the cp ring.
+
+Each rank holds q, k, v of its two load-balanced chunks (r, 2cp-1-r), `[b, n|g, 2L, d]`.
+Step i computes with the K/V of cp rank src = r - i (mod cp) while the next block is in
+flight (batch_isend_irecv to r + 1, from r - 1), and merges with the online-softmax rule:
+- step 0 (own K/V): the causal diagonal on the concatenated 2L positions;
+- src < r: every query sees only src's first chunk (all queries x first half of KV);
+- src > r: only the second-half queries see src's chunks (second half of q x all KV).
+Forward: cp - 1 sends of one packed K/V block. Backward re-circulates K/V (cp - 1 sends)
+and sends each block's dK/dV accumulator with it (cp - 1 sends), recomputing only the
+per-block softmax from the saved LSE.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pentatron.parallel_state import comm
+
+from .softmax_merge import block_backward, block_forward, merge
+
+
+class _Ring:
+    """The neighbours of this rank in the cp group (global ranks)."""
+
+    def __init__(self, group: Any) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        self.size, self.group = len(ranks), group
+        self.rank = ranks.index(dist.get_rank())
+        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[self.rank - 1]
+
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Start: send `send` to next, receive the same shape from prev."""
+        recv = torch.empty_like(send)
+        ops = [
+            comm.P2POp("send", send, self.next, self.group),
+            comm.P2POp("recv", recv, self.prev, self.group),
+        ]
+        return recv, comm.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _case(step: int, src: int, rank: int) -> str:
+    return "diag" if step == 0 else ("lower" if src < rank else "upper")
+
+
+def _ring_forward(q, k, v, scale: float, ring: _Ring):
+    """-> out `[b, n, 2L, d]` fp32, lse `[b, n, 2L]`."""
+    half = q.size(2) // 2
+    kv = torch.stack([k, v])
+    out = lse = None
+    for step in range(ring.size):
+        works: list = []
+        if step < ring.size - 1:
+            nxt, works = ring.exchange(kv)
+        src = (ring.rank - step) % ring.size
+        case = _case(step, src, ring.rank)
+        if case == "diag":
+            out, lse = block_forward(q, kv[0], kv[1], scale, causal=True)
+        elif case == "lower":
+            o, s = block_forward(q, kv[0][:, :, :half], kv[1][:, :, :half], scale, False)
+            out, lse = merge(out, lse, o, s)
+        else:
+            o, s = block_forward(q[:, :, half:], kv[0], kv[1], scale, False)
+            o2, s2 = merge(out[:, :, half:], lse[:, :, half:], o, s)
+            out, lse = torch.cat([out[:, :, :half], o2], 2), torch.cat([lse[:, :, :half], s2], 2)
+        _wait(works)
+        if step < ring.size - 1:
+            kv = nxt
+    return out, lse
+
+
+def _block_grads(case, q, kv, lse, dout, delta, scale, half):
+    """(dq part, dkv part, which q rows, which kv rows) of one ring step."""
+    if case == "diag":
+        dq, dk, dv = block_backward(q, kv[0], kv[1], lse, dout, delta, scale, True)
+        return dq, torch.stack([dk, dv]), slice(None), slice(None)
+    if case == "lower":
+        k, v = kv[0][:, :, :half], kv[1][:, :, :half]
+        dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, False)
+        return dq, torch.stack([dk, dv]), slice(None), slice(0, half)
+    rows = slice(half, None)
+    dq, dk, dv = block_backward(
+        q[:, :, rows],
+        kv[0],
+        kv[1],
+        lse[:, :, rows],
+        dout[:, :, rows],
+        delta[:, :, rows],
+        scale,
+        False,
+    )
+    return dq, torch.stack([dk, dv]), rows, slice(None)
+
+
+def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
+    """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32)."""
+    half = q.size(2) // 2
+    dout = dout.float()
+    delta = (dout * out).sum(-1)
+    kv = torch.stack([k.float(), v.float()])
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    own = torch.zeros_like(kv)
+    acc: torch.Tensor | None = None  # dK/dV of the block in hand, from the ranks before
+    for step in range(ring.size):
+        works: list = []
+        if step < ring.size - 1:
+            nxt, works = ring.exchange(kv)
+        src = (ring.rank - step) % ring.size
+        case = _case(step, src, ring.rank)
+        dq_p, dkv_p, qrows, kvrows = _block_grads(case, q, kv, lse, dout, delta, scale, half)
+        dq[:, :, qrows] += dq_p
+        if step == 0:
+            own += dkv_p
+        else:
+            acc = torch.zeros_like(kv) if acc is None else acc
+            acc[:, :, :, kvrows] += dkv_p
+            # to the next rank, which holds this block next (or, last step, owns it)
+            acc, acc_works = ring.exchange(acc)
+            works += acc_works
+        _wait(works)
+        if step < ring.size - 1:
+            kv = nxt
+    if acc is not None:
+        own += acc
+    return dq, own[0], own[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """q `[b, n, 2L, d]`, k/v `[b, g, 2L, d]` (this rank's chunks) -> out `[b, n, 2L, d]`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, group: Any):
+        ring = _Ring(group)
+        out, lse = _ring_forward(q, k, v, scale, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.ring = scale, ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.scale, ctx.ring)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
+    """Causal attention over the cp ring; shapes as `RingAttention`."""
+    return RingAttention.apply(q, k, v, scale, group)

@@ -1,0 +1,307 @@
+"""Acceptance for context parallelism (gloo, fp32).
+
+- Core attention at cp in {2, 4} for each cp_comm_type (p2p ring, all_gather, a2a) with GQA
+  equals single-process causal SDPA on the full sequence (output and q/k/v grads, rtol 1e-5 /
+  atol 1e-5), at sequence lengths that are and are not powers of two.
+- Ledger: the ring sends cp-1 packed K/V blocks forward and cp-1 K/V plus cp-1 dK/dV blocks
+  backward; all_gather moves one all-gather (K|V) and one reduce-scatter; a2a four
+  all-to-alls each way, with the bytes of their formulas.
+- A 4-layer GPT (GQA, RoPE, q/k norm, SwiGLU) at cp2-tp2 with sequence parallelism gives
+  the single-process per-token losses and parameter grads (each comm type).
+- Sharding round-trips; bad input raises clear errors.
+One distributed.run per world size (2, 4); the references run in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from pentatron.models import ModelConfigError, TransformerConfig
+from pentatron.models.attention import DotProductAttention
+from pentatron.models.context_parallel import (
+    gather_cp_shards,
+    get_batch_on_this_cp_rank,
+    shard_for_cp_rank,
+)
+from pentatron.parallel_state import (
+    ParallelConfig,
+    comm,
+    destroy_model_parallel,
+    initialize_model_parallel,
+)
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+B, NQ, NG, D = 2, 8, 4, 8
+KINDS = ("p2p", "all_gather", "a2a")
+SEQS = {2: (16, 12), 4: (16, 24)}  # per cp: a power of two and not, multiples of 2*cp
+
+
+def _config(cp: int, kind: str, **kw) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=NQ * D,
+        num_attention_heads=NQ,
+        num_query_groups=NG,
+        context_parallel_size=cp,
+        cp_comm_type=kind,
+        attention_dropout=0.0,
+        **kw,
+    )
+
+
+def _inputs(s: int, seed: int):
+    """Full q [s, b, nq, d], k/v [s, b, ng, d] and the output grad [s, b, nq d]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, B, NQ, D, generator=g)
+    k = torch.randn(s, B, NG, D, generator=g)
+    v = torch.randn(s, B, NG, D, generator=g)
+    dout = torch.randn(s, B, NQ * D, generator=g)
+    return q, k, v, dout
+
+
+def _reference(s: int, seed: int):
+    q, k, v, dout = (x.requires_grad_(x.dim() == 4) for x in _inputs(s, seed))
+    rep = NQ // NG
+    qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    kb, vb = kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=D**-0.5)
+    out = out.permute(2, 0, 1, 3).reshape(s, B, -1)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _one_case(grid, cp, kind, s, seed):
+    rank = grid.rank("cp")
+    attn = DotProductAttention(_config(cp, kind), 1, 1)
+    attn.set_cp_group(grid.group("cp"))
+    q, k, v, dout = (shard_for_cp_rank(x, cp, rank, dim=0) for x in _inputs(s, seed))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    with comm.trace() as fwd:
+        out = attn(q, k, v)
+    with comm.trace() as bwd:
+        out.backward(dout)
+    ledger = {
+        name: [(r.op, r.bytes) for r in led.records if r.group == "cp"]
+        for name, led in (("fwd", fwd), ("bwd", bwd))
+    }
+    return out.detach(), q.grad, k.grad, v.grad, ledger
+
+
+def _gpt_case(kind: str, state, data):
+    """GPTModel at cp2-tp2 with SP: per-token loss shard and grads (summed over cp)."""
+    import dataclasses
+
+    from _gpt import VOCAB, S, small_config
+
+    from pentatron.models import (
+        GPTModel,
+        get_gpt_layer_local_spec,
+        load_full_state_dict,
+        sync_grads,
+    )
+
+    grid = initialize_model_parallel(ParallelConfig(tp=2, cp=2))
+    try:
+        config = dataclasses.replace(
+            small_config(),
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            context_parallel_size=2,
+            cp_comm_type=kind,
+        )
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            VOCAB,
+            S,
+            grid=grid,
+            make_vocab_size_divisible_by=32,
+        )
+        load_full_state_dict(model, state)
+        ids, pos, labels = (shard_for_cp_rank(x, 2, grid.rank("cp")) for x in data)
+        loss = model(ids, pos, labels=labels)
+        loss.sum().backward()
+        sync_grads(model)  # sequence-parallel norm grads: partial over tp
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad.clone()
+            comm.all_reduce(g, group=grid.group("cp"))  # each cp rank saw its tokens only
+            grads[name] = g
+        return loss.detach(), grads, grid.rank("tp"), grid.rank("cp")
+    finally:
+        destroy_model_parallel(grid)
+
+
+def _worker(cp: int, gpt_inputs=None):
+    grid = initialize_model_parallel(ParallelConfig(cp=cp))
+    try:
+        results = {}
+        for kind in KINDS:
+            for s in SEQS[cp]:
+                results[(kind, s)] = _one_case(grid, cp, kind, s, seed=s + cp)
+    finally:
+        destroy_model_parallel(grid)
+    if gpt_inputs is not None:
+        for kind in KINDS:  # a2a: 8 heads and 4 groups divide by tp*cp = 4
+            results[("gpt", kind)] = _gpt_case(kind, *gpt_inputs)
+    return results
+
+
+def _gpt_reference():
+    """Full state, data (ids, pos, labels) [b, s], per-token loss and grads of loss.sum()."""
+    from _gpt import build_reference, microbatches, small_config
+
+    model = build_reference(small_config())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = microbatches(1)[0]
+    loss = model(*data[:2], labels=data[2])
+    loss.sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return state, data, loss.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _gpt_reference()
+
+
+@pytest.fixture(scope="module")
+def runs(distributed, gpt_reference):
+    state, data = gpt_reference[:2]
+    return {2: distributed.run(2, _worker, 2), 4: distributed.run(4, _worker, 4, (state, data))}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpt_cp2_tp2_sp_matches_one_process(runs, gpt_reference, kind):
+    """Per-token loss shards and every parameter grad of a 4-layer GPT (GQA, RoPE, q/k
+    norm) at cp2-tp2 with sequence parallelism equal the single-process model's."""
+    from _gpt import small_config
+
+    from pentatron.models import merge_shards
+
+    _, _, ref_loss, ref_grads = gpt_reference
+    per_rank = [r[("gpt", kind)] for r in runs[4]]
+    by_cp = {cp: next(r for r in per_rank if r[3] == cp and r[2] == 0) for cp in (0, 1)}
+    loss = gather_cp_shards([by_cp[0][0], by_cp[1][0]], dim=1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    tp_ranks = sorted((r for r in per_rank if r[3] == 0), key=lambda r: r[2])
+    config = small_config(tensor_model_parallel_size=2)
+    for name, ref in ref_grads.items():
+        got = merge_shards(name, [r[1][name] for r in tp_ranks], config=config)
+        torch.testing.assert_close(got[: ref.size(0)], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+CASES = [(cp, kind, s) for cp in (2, 4) for kind in KINDS for s in SEQS[cp]]
+
+
+@pytest.mark.parametrize("cp,kind,s", CASES)
+def test_attention_matches_full_sdpa(runs, cp, kind, s):
+    per_rank = [r[(kind, s)] for r in runs[cp]]
+    ref = _reference(s, seed=s + cp)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = gather_cp_shards([r[i] for r in per_rank], dim=0)
+        torch.testing.assert_close(got, ref[i], **TOL, msg=f"{name} differs")
+
+
+def _block_bytes(s: int, cp: int, heads: int) -> int:
+    return (s // cp) * B * heads * D * 4  # fp32 [s/cp, b, heads, d]
+
+
+@pytest.mark.parametrize("cp,kind,s", CASES)
+def test_ledger(runs, cp, kind, s):
+    kv = 2 * _block_bytes(s, cp, NG)  # one K and one V block of this rank
+    q = _block_bytes(s, cp, NQ)
+    for r in runs[cp]:
+        led = r[(kind, s)][4]
+        if kind == "p2p":
+            assert (
+                led["fwd"].count(("send", kv))
+                == cp - 1
+                == len([o for o in led["fwd"] if o[0] == "send"])
+            )
+            sends = [o for o in led["bwd"] if o[0] == "send"]
+            assert sends == [("send", kv)] * (2 * (cp - 1))  # K/V and dK/dV per step
+        elif kind == "all_gather":
+            assert led["fwd"] == [("all_gather", kv)]
+            assert led["bwd"] == [("reduce_scatter", kv * cp)]
+        else:
+            # q, k, v in and the output back: each all-to-all carries one [s/cp] tensor
+            want = [("all_to_all", q), ("all_to_all", kv // 2), ("all_to_all", kv // 2)]
+            assert sorted(led["fwd"]) == sorted([*want, ("all_to_all", q)])
+            assert sorted(led["bwd"]) == sorted(led["fwd"])
+
+
+def test_sharding_round_trip_and_batch():
+    x = torch.arange(2 * 24).view(2, 24)
+    shards = [shard_for_cp_rank(x, 3, r) for r in range(3)]
+    assert shards[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]  # chunks 0 and 5
+    torch.testing.assert_close(gather_cp_shards(shards), x)
+    batch = {"tokens": x, "labels": x + 1, "loss_mask": x.float(), "position_ids": x}
+    out = get_batch_on_this_cp_rank(batch, 3, 1)
+    assert out["position_ids"][0].tolist() == [4, 5, 6, 7, 16, 17, 18, 19]  # global
+
+
+def test_bad_input_errors():
+    with pytest.raises(ModelConfigError, match="multiple of 8"):
+        shard_for_cp_rank(torch.zeros(1, 12), 4, 0)
+    with pytest.raises(ModelConfigError, match="cp_comm_type"):
+        _config(2, "ring")
+    with pytest.raises(ModelConfigError, match="num_attention_heads"):
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=48,
+            num_attention_heads=6,
+            context_parallel_size=4,
+            cp_comm_type="a2a",
+        )
+    attn = DotProductAttention(_config(2, "p2p"), 1, 1)
+    q = torch.zeros(4, 1, NQ, D)
+    k = torch.zeros(4, 1, NG, D)
+    with pytest.raises(ModelConfigError, match="cp group"):
+        attn(q, k, k)
+    attn.set_cp_group(object())
+    with pytest.raises(ModelConfigError, match="attention_mask"):
+        attn(q, k, k, torch.zeros(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ModelConfigError, match="multiple of 4"):
+        attn(q[:3], k[:3], k[:3])
+    drop = DotProductAttention(_config(2, "p2p").__class__(**_dropout_kwargs()), 1, 1)
+    drop.set_cp_group(object())
+    with pytest.raises(ModelConfigError, match="attention_dropout"):
+        drop(q, k, k)
+
+
+def _dropout_kwargs() -> dict:
+    return dict(
+        num_layers=1,
+        hidden_size=NQ * D,
+        num_attention_heads=NQ,
+        num_query_groups=NG,
+        context_parallel_size=2,
+        attention_dropout=0.1,
+    )
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_load_balance_and_flops(cp):
+    """Every cp rank scores the same number of causal (query, key) pairs, so per-rank
+    FLOPs are the model total / (tp * pp * cp)."""
+    from pentatron.models.context_parallel import cp_positions
+    from pentatron.models.counting import (
+        num_floating_point_operations,
+        num_floating_point_operations_per_rank,
+    )
+
+    s = 8 * cp
+    pairs = [int((cp_positions(s, cp, r) + 1).sum()) for r in range(cp)]
+    assert pairs == [s * (s + 1) // 2 // cp] * cp
+    config = _config(cp, "p2p", tensor_model_parallel_size=2)
+    total = num_floating_point_operations(config, s, 128, batch_size=3)
+    per_rank = num_floating_point_operations_per_rank(config, s, 128, batch_size=3)
+    assert per_rank == pytest.approx(total / (2 * cp))
