@@ -3,6 +3,8 @@ flag for every layout that cannot work, raised before any process group exists."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pentatron.pretrain.arguments import ArgumentError, parse_args, validate_args
@@ -66,9 +68,15 @@ def test_derived_values_for_the_readme_layout():
         (["--fp16", "--bf16"], 1, "--fp16"),
         (["--enable-cuda-graph"], 1, "--enable-cuda-graph"),  # CPU
         (["--fp8-format", "hybrid"], 1, "--fp8-format"),
-        (["--num-experts", "4"], 1, "--num-experts"),
+        (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, "--num-experts"),
+        (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk"),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "3"],
+            4,
+            "--expert-model-parallel-size",
+        ),
         (["--save-interval", "5"], 1, "--save-interval"),  # without --save
-        (["--async-save", "--save", "/tmp/x"], 1, "--async-save"),  # not in this release
+        (["--async-save"], 1, "--async-save"),  # without --save
         (["--device", "cuda"], 1, "--device"),  # this machine has no GPU
         (
             [
@@ -137,3 +145,59 @@ def test_example_configs_validate(name, world):
         == world
     )
     assert args.num_microbatches >= args.pipeline_model_parallel_size
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("2", 2), ("0,1,1", [0, 1, 1]), ("[0,1]*2", [0, 1, 0, 1]), ("[0]*1+[1]*3", [0, 1, 1, 1])],
+)
+def test_moe_layer_freq_patterns_are_parsed_not_evaluated(text, want):
+    from pentatron.pretrain.arguments import parse_moe_layer_freq
+
+    assert parse_moe_layer_freq(text) == want
+
+
+def test_moe_layer_freq_rejects_code():
+    import argparse
+
+    from pentatron.pretrain.arguments import parse_moe_layer_freq
+
+    with pytest.raises(argparse.ArgumentTypeError, match="moe-layer-freq"):
+        parse_moe_layer_freq("__import__('os').getcwd()")
+
+
+def test_moe_flags_reach_the_model_and_parallel_configs():
+    from pentatron.pretrain.training import configs
+
+    args = _validated(
+        [
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "1",
+            "--expert-model-parallel-size",
+            "2",
+            "--moe-layer-freq",
+            "[0]*1+[1]*7",
+            "--moe-token-dispatcher-type",
+            "alltoall",
+            "--moe-aux-loss-coeff",
+            "0.01",
+        ],
+        2,
+    )
+    model = configs.transformer_config(args)
+    assert (model.num_moe_experts, model.moe_router_topk) == (4, 1)
+    assert model.moe_layer_pattern() == [False] + [True] * 7
+    assert model.moe_token_dispatcher_type == "alltoall" and model.moe_aux_loss_coeff == 0.01
+    assert configs.parallel_config(args).ep == 2
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-like.yaml", "mixtral-8x7b-like.yaml"])
+def test_example_configs_validate_at_their_world_size(name):
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "configs")
+    args = parse_args(["--config", os.path.join(root, name)])
+    validate_args(args, 64, cuda=True)
+    assert args.data_parallel_size == 64 // (
+        args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    )

@@ -10,6 +10,7 @@ each failure is one `ArgumentError` line naming the flag, the rule and a fix.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"])
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: tp")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -72,6 +73,59 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def parse_moe_layer_freq(text: Any) -> int | list[int]:
+    """--moe-layer-freq: `N` (every N-th layer), a list `[0,1,1,1]` / `0,1,1,1`, or
+    Megatron's pattern `[0]*1+[1]*3` (parsed here; never evaluated)."""
+    if isinstance(text, (int, list)):
+        return text
+    src = str(text).replace(" ", "")
+    if src.isdigit():
+        return int(src)
+    if re.fullmatch(r"[01](,[01])*", src):
+        return [int(x) for x in src.split(",")]
+    out: list[int] = []
+    for term in src.split("+"):
+        m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", term)
+        if m is None:
+            raise argparse.ArgumentTypeError(
+                f"--moe-layer-freq {text!r}: expected N, 0,1,1,1, [0,1,1,1] or [0]*1+[1]*3"
+            )
+        out += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
+    return out
+
+
+def _moe(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument(
+        "--moe-router-load-balancing-type",
+        default="aux_loss",
+        choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+    )
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument(
+        "--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"]
+    )
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-overlap", action="store_true")
 
 
 def _optimizer(p: argparse.ArgumentParser) -> None:
@@ -183,12 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-style GPT pretraining (launch with torchrun).",
     )
     p.add_argument("--config", default=None, help="YAML file; keys are these flags' names")
-    for add in (_model, _parallel, _optimizer, _training, _data, _checkpoint_and_logging):
+    for add in (_model, _parallel, _moe, _optimizer, _training, _data, _checkpoint_and_logging):
         add(p)
     return p
 
 
-def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     import yaml
 
     text = Path(path).read_text()
@@ -206,9 +260,10 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]
             )
         action = known[dest]
         if action.type is not None and value is not None:
-            value = (
-                [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
-            )
+            if isinstance(value, list) and action.type is not parse_moe_layer_freq:
+                value = [action.type(v) for v in value]
+            else:
+                value = action.type(value)
         out[dest] = value
     return out
 
@@ -218,5 +273,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
     if first.config:
-        parser.set_defaults(**_yaml_defaults(parser, first.config))
+        parser.set_defaults(**yaml_defaults(parser, first.config))
     return parser.parse_args(argv)

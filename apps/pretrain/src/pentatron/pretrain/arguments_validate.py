@@ -33,13 +33,6 @@ def _parallel_layout(args: argparse.Namespace, world_size: int) -> None:
         args.pipeline_model_parallel_size,
         args.context_parallel_size,
     )
-    if args.expert_model_parallel_size > 1 or args.num_experts:
-        _fail(
-            "num-experts" if args.num_experts else "expert-model-parallel-size",
-            args.num_experts or args.expert_model_parallel_size,
-            "Mixture-of-Experts is not in this release",
-            "drop the MoE flags",
-        )
     if world_size % (tp * pp * cp):
         _fail(
             "tensor-model-parallel-size",
@@ -48,6 +41,15 @@ def _parallel_layout(args: argparse.Namespace, world_size: int) -> None:
             "change the sizes or the number of processes (torchrun --nproc-per-node)",
         )
     args.data_parallel_size = world_size // (tp * pp * cp)
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    if world_size % (etp * ep * pp):
+        _fail(
+            "expert-model-parallel-size",
+            ep,
+            f"world size {world_size} must be divisible by etp*ep*pp = {etp}*{ep}*{pp} "
+            "(the expert grid)",
+            "change --expert-model-parallel-size / --expert-tensor-parallel-size",
+        )
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron's rule: SP is a no-op without tp
     if args.sequence_parallel and args.seq_length % tp:
@@ -312,13 +314,36 @@ def _data_and_checkpoints(args: argparse.Namespace) -> None:
             )
     if args.save_interval is not None and args.save is None:
         _fail("save-interval", args.save_interval, "needs --save", "pass --save DIR")
-    if args.async_save:
-        _fail(
-            "async-save",
-            True,
-            "asynchronous checkpoint writes are not in this release",
-            "drop the flag (saves are synchronous and atomic)",
-        )
+    if args.async_save and args.save is None:
+        _fail("async-save", True, "needs --save", "pass --save DIR")
+
+
+# TransformerConfig fields whose flag is not the field name with dashes.
+_FIELD_FLAGS = {
+    "num_moe_experts": "num-experts",
+    "layernorm_epsilon": "norm-epsilon",
+    "activation": "swiglu",
+    "add_bias_linear": "disable-bias-linear",
+    "fp8": "fp8-format",
+    "tensor_model_parallel_size": "tensor-model-parallel-size",
+    "num_layers_in_first_pipeline_stage": "decoder-first-pipeline-num-layers",
+    "num_layers_in_last_pipeline_stage": "decoder-last-pipeline-num-layers",
+}
+
+
+def _model_config(args: argparse.Namespace) -> None:
+    """Build the TransformerConfig once: its rules (MoE, attention, pipeline split) fail here
+    as one line naming the flag, before any process group."""
+    from pentatron.models import ModelConfigError
+
+    from .training.configs import transformer_config
+
+    try:
+        transformer_config(args)
+    except ModelConfigError as e:
+        field = str(e).split("=", 1)[0].split(" ", 1)[0].split(".", 1)[0]
+        flag = _FIELD_FLAGS.get(field, field.replace("_", "-"))
+        raise ArgumentError(f"--{flag}{str(e)[len(field) :]}") from None
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False):
@@ -347,4 +372,5 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False)
     _training_length(args)
     _precision_and_gpu(args, cuda)
     _data_and_checkpoints(args)
+    _model_config(args)
     return args

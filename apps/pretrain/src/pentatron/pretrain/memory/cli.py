@@ -19,7 +19,7 @@ import dataclasses
 import json
 import sys
 
-from ..arguments import ArgumentError, _yaml_defaults, build_parser, validate_args
+from ..arguments import ArgumentError, build_parser, validate_args, yaml_defaults
 from .plan import MemoryPlan, MemoryPlanError, derive_dp, plan_from_args
 from .presets import from_hf_config, preset
 from .report import memory_report, plot, print_table
@@ -57,7 +57,7 @@ def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
     parser = _parser()
     first, _ = parser.parse_known_args(argv)
     if first.config:
-        parser.set_defaults(**_yaml_defaults(parser, first.config))
+        parser.set_defaults(**yaml_defaults(parser, first.config))
     model, moe = {}, {}
     if first.preset and first.hf_config:
         raise MemoryPlanError("--preset and --hf-config are exclusive; fix: pass one")

@@ -23,6 +23,8 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         pp=args.pipeline_model_parallel_size,
         vpp=args.virtual_pipeline_model_parallel_size,
         cp=args.context_parallel_size,
+        ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
     )
 
@@ -60,7 +62,41 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         cp_comm_type=args.cp_comm_type,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        **moe_fields(args),
     )
+
+
+def moe_fields(args: argparse.Namespace) -> dict:
+    """TransformerConfig's MoE fields from the Megatron MoE flags (empty for a dense run)."""
+    if not args.num_experts:
+        return {"expert_model_parallel_size": args.expert_model_parallel_size}
+    names = (
+        "moe_layer_freq",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "moe_router_score_function",
+        "moe_router_pre_softmax",
+        "moe_router_topk_scaling_factor",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
+        "moe_router_load_balancing_type",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_router_enable_expert_bias",
+        "moe_router_bias_update_rate",
+        "moe_input_jitter_eps",
+        "moe_expert_capacity_factor",
+        "moe_token_drop_policy",
+        "moe_pad_expert_input_to_capacity",
+        "moe_token_dispatcher_type",
+        "moe_grouped_gemm",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_overlap",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+    )
+    return {"num_moe_experts": args.num_experts, **{n: getattr(args, n) for n in names}}
 
 
 def ddp_config(args: argparse.Namespace) -> DDPConfig:
