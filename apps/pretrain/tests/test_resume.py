@@ -2,6 +2,8 @@
 
 - 6 steps, save, rebuild everything from the checkpoint, train to 12: the losses of steps
   7..12 equal 12 uninterrupted steps bitwise (CPU, dropout on, so the RNG is restored too).
+  The first run saves with --async-save every 2 steps (writes overlap training, published
+  at a later iteration end), the second synchronously.
 - Save at tp2-pp2-dp2, resume at tp1-pp1-dp4 and at tp4-pp2-dp1: the next step's loss equals
   the uninterrupted run's (rtol 1e-5, fp32: only the order of sums differs).
 - A NaN loss stops the run at that iteration on every rank with a message naming it, and
@@ -29,7 +31,9 @@ def _exact_resume(root):
     argv = ARGS + DROPOUT + TP2_PP2 + ["--train-iters", "12"]
     full = train(argv)
     ckpt = os.path.join(root, "ckpt")
-    first = train([*argv, "--exit-interval", "6", "--save", ckpt])
+    first = train(
+        [*argv, "--exit-interval", "6", "--save", ckpt, "--save-interval", "2", "--async-save"]
+    )
     second = train([*argv, "--load", ckpt, "--save", ckpt])
     return full, first, second
 

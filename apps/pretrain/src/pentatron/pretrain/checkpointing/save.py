@@ -112,7 +112,7 @@ def save_checkpoint(
         )
     if async_saver is not None:
         if first:
-            os.makedirs(tmp)
+            os.makedirs(tmp, exist_ok=True)  # the other ranks' writer threads may be first
             write_common(tmp, common)
         publish = partial(_publish, save_dir, tmp, final, iteration, keep_last)
         async_saver.start(sd, tmp, iteration, publish)
