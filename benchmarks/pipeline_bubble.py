@@ -1,0 +1,133 @@
+"""Pipeline bubble: the simulator and a measured CPU run against (p-1)/(v*m).
+
+    python benchmarks/pipeline_bubble.py
+
+1. `pentatron.pipeline.simulate` (logical time, backward = 2 x forward, free p2p) for a
+   few (p, v, m): its bubble fraction (idle / busy) over Megatron's (p-1)/(v*m); exact.
+2. Measured: the real 1F1B and interleaved schedules on 2 gloo processes (pp=2, one
+   thread each), every stage the same cost (`LAYERS` Linear(h, h) + tanh on [s, b, h]);
+   the compute spans come from the schedule's own `Timeline`, the bubble from
+   `bubble_report` over both ranks' events. p2p time and the machine's noise count as
+   idle, so the ratio is >= 1 and only its size is machine-dependent. Median of `REPS` steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+S, B, H, LAYERS, REPS = 64, 4, 256, 4, 3
+SIMULATED = ((2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8))  # (p, v, m)
+MEASURED = ((None, 8), (2, 8))  # (vpp, m) at p=2
+
+
+def simulated_rows() -> list[dict[str, Any]]:
+    from pentatron.pipeline import bubble_report, ideal_bubble_fraction, simulate
+
+    rows = []
+    for p, v, m in SIMULATED:
+        got = bubble_report(simulate(p, m, v if v > 1 else None)).bubble_fraction
+        rows.append(
+            {"name": f"bubble simulator p={p} v={v} m={m}", "measured": got,
+             "theory": ideal_bubble_fraction(p, m, v)}
+        )  # fmt: skip
+    return rows
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # equal cost and equal numbers on every stage
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(H, H) for _ in range(LAYERS))
+        self.first, self.input_tensor = first, None
+
+    def set_input_tensor(self, tensors: list) -> None:
+        self.input_tensor = tensors[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x if self.first else self.input_tensor
+        for fc in self.fcs:
+            h = torch.tanh(fc(h))
+        return h
+
+
+def _forward_step(it: Any, model: _Stage) -> tuple[torch.Tensor, Any]:
+    out = model(next(it))
+    return out, lambda y: (y.pow(2).mean(), y.detach().pow(2).mean())
+
+
+def measured_rank(vpp: int | None, m: int) -> list[list[tuple]]:
+    """Per rep: this rank's compute events as (rank, start, end, kind, mb, chunk), absolute."""
+    from pentatron.parallel_state import (
+        ParallelConfig,
+        destroy_model_parallel,
+        initialize_model_parallel,
+    )
+    from pentatron.pipeline import PipelineConfig, Timeline, get_forward_backward_func
+
+    torch.set_num_threads(1)
+    p, v = dist.get_world_size(), vpp or 1
+    grid = initialize_model_parallel(ParallelConfig(pp=p, vpp=vpp))
+    try:
+        rank = grid.rank("pp")
+        chunks = [_Stage(first=(rank == 0 and c == 0)) for c in range(v)]
+        data = [torch.randn(S, B, H) for _ in range(m)]
+        func = get_forward_backward_func(p, vpp)
+        reps = []
+        for _ in range(REPS + 1):  # the first is a warm-up
+            dist.barrier()
+            origin = time.monotonic()  # a clock shared by the processes of this machine
+            timeline = Timeline(rank=rank, clock=time.monotonic)
+            func(
+                forward_step_func=_forward_step,
+                data_iterator=[iter(data) for _ in range(v)],
+                model=chunks if vpp else chunks[0],
+                num_microbatches=m, seq_length=S, micro_batch_size=B,
+                config=PipelineConfig(hidden_size=H), grid=grid, timeline=timeline,
+            )  # fmt: skip
+            reps.append(
+                [(e.rank, e.start + origin, e.end + origin, e.kind, e.microbatch, e.chunk)
+                 for e in timeline.events]
+            )  # fmt: skip
+        return reps[1:]
+    finally:
+        destroy_model_parallel(grid)
+
+
+def measured_rows(pools: Any) -> list[dict[str, Any]]:
+    from pentatron.pipeline import Event, bubble_report, ideal_bubble_fraction
+
+    rows = []
+    for vpp, m in MEASURED:
+        per_rank = pools.run(2, measured_rank, vpp, m)
+        fractions = []
+        for rep in range(REPS):
+            events = [Event(*e) for r in per_rank for e in r[rep]]
+            fractions.append(bubble_report(events).bubble_fraction)
+        v = vpp or 1
+        rows.append(
+            {"name": f"bubble measured (2 CPU procs) p=2 v={v} m={m}",
+             "measured": statistics.median(fractions), "theory": ideal_bubble_fraction(2, m, v)}
+        )  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    from pentatron.parallel_state.testing import PoolSet
+
+    pools = PoolSet()
+    try:
+        rows = simulated_rows() + measured_rows(pools)
+    finally:
+        pools.close()
+    for row in rows:
+        ratio = row["measured"] / row["theory"]
+        print(f"{row['name']:50s} {row['measured']:.4f} / {row['theory']:.4f} = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
