@@ -34,6 +34,7 @@ from .gpt_model import GPTModel, build_model_chunks
 from .grads import allreduce_tied_embedding_grads, sync_grads
 from .layer_specs import get_gpt_layer_local_spec, get_gpt_layer_te_spec
 from .mlp import MLP, MLPSubmodules
+from .moe import GroupedMLP, MoELayer, MoESubmodules, SequentialMLP, SharedExpertMLP
 from .moe.aux_tracker import collect_moe_aux_losses, reset_moe_aux_losses
 from .moe.expert_bias import update_expert_bias
 from .moe.load_balancing import get_aux_loss_scale, set_aux_loss_scale
@@ -58,6 +59,11 @@ from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 __version__ = "0.1.0"
 
 __all__ = [
+    "GroupedMLP",
+    "MoELayer",
+    "MoESubmodules",
+    "SequentialMLP",
+    "SharedExpertMLP",
     "RingAttention",
     "a2a_attention",
     "all_gather_attention",

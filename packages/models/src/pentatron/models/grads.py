@@ -36,6 +36,18 @@ def allreduce_tied_embedding_grads(model_chunks: Sequence[torch.nn.Module], grou
     return len(grads)
 
 
+def allreduce_expert_tp_partial_grads(module: torch.nn.Module, group: Any) -> int:
+    """All-reduce(etp) the grads of `expert_tp_partial` params (a missing grad counts 0)."""
+    params = [p for p in module.parameters() if getattr(p, "expert_tp_partial", False)]
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    for p in params:
+        if _grad(p) is None:
+            p.grad = torch.zeros_like(p)
+        comm.all_reduce(_grad(p), group=group)
+    return len(params)
+
+
 def sync_grads(model_chunks: Any, grid: Any = None) -> None:
     """After backward: all-reduce(tp) partial grads, then all-reduce tied embeddings.
 
@@ -48,4 +60,6 @@ def sync_grads(model_chunks: Any, grid: Any = None) -> None:
         return
     for chunk in chunks:
         sync_sequence_parallel_grads(chunk, chunk.parallel.tp_group)
+        if chunk.config.is_moe and chunk.parallel.etp_size > 1:
+            allreduce_expert_tp_partial_grads(chunk, chunk.parallel.group("etp"))
     allreduce_tied_embedding_grads(chunks, par.embedding_group())

@@ -11,6 +11,7 @@ from pentatron.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from .mlp import MLP, MLPSubmodules
+from .moe.moe_layer import MoELayer, MoESubmodules
 from .norm import Norm
 from .spec import ModuleSpec
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -20,7 +21,8 @@ def get_gpt_layer_local_spec(qk_layernorm: bool = True) -> ModuleSpec:
     """Spec of one GPT layer from PyTorch and tp-layers modules.
 
     `qk_layernorm=False` removes the q/k norms from the spec; with True they are built
-    only when `config.qk_layernorm` is set.
+    only when `config.qk_layernorm` is set. Layers that `config.moe_layer_pattern()` marks
+    build `moe_mlp` (MoELayer: TopKRouter, experts by `moe_grouped_gemm`) instead of `mlp`.
     """
     qk_norm = Norm if qk_layernorm else None
     return ModuleSpec(
@@ -44,6 +46,7 @@ def get_gpt_layer_local_spec(qk_layernorm: bool = True) -> ModuleSpec:
                     linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
                 ),
             ),
+            moe_mlp=ModuleSpec(module=MoELayer, submodules=MoESubmodules()),
         ),
     )
 

@@ -12,6 +12,15 @@ Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
 | self_attention.linear_proj.weight [h, nq d]  | dim 1              | columns r nq d/t ...     |
 | mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
 | norms, position embeddings, row biases       | replicated         | the full tensor          |
+| mlp.router.weight / .expert_bias, gate_weight| replicated         | the full tensor          |
+| mlp.experts.linear_fc1.weight [E, F1, h]     | ep dim 0, etp dim 1 (stride 2 swiglu) |  |
+| mlp.experts.linear_fc1.bias [E, F1]          | ep dim 0, etp dim 1 (stride 2 swiglu) |  |
+| mlp.experts.linear_fc2.weight [E, h, ffn]    | ep dim 0, etp dim 2|                          |
+| mlp.experts.linear_fc2.bias [E, h]           | ep dim 0           |                          |
+
+Expert tensors are split over the expert grid: `ep_rank` takes experts ep_rank*E/ep ...,
+then `etp_rank` its etp shard (`shard_full_tensor(..., ep_rank=, ep_size=, etp_rank=,
+etp_size=)`; `merge_shards(..., ep_size=)` takes expert shards ep-major, etp-minor).
 
 The vocabulary is padded to `padded_vocab_size` (a multiple of
 make_vocab_size_divisible_by * t) before splitting; `shard_full_tensor` pads an unpadded
@@ -40,8 +49,10 @@ _VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 _COLUMN = re.compile(r"\.(linear_qkv|linear_fc1)\.(weight|bias)$")
 _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _REPLICATED = re.compile(
-    r"(layernorm\.(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias)$"
+    r"(layernorm\.(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
+    r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight)$"
 )
+_EXPERT = re.compile(r"\.experts\.(linear_fc1|linear_fc2)\.(weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -51,12 +62,23 @@ class ParamSharding:
     dim: int | None
     stride: int = 1
     vocab: bool = False
+    expert: bool = False  # split over ep on dim 0, `dim` is then the etp split
+
+
+def _expert_sharding(m: re.Match, config: TransformerConfig) -> ParamSharding:
+    linear, kind = m.group(1), m.group(2)
+    if linear == "linear_fc1":
+        return ParamSharding(1, 2 if config.gated_linear_unit else 1, expert=True)
+    return ParamSharding(2 if kind == "weight" else None, expert=True)
 
 
 def param_sharding(name: str, config: TransformerConfig) -> ParamSharding:
     """The tp split of parameter `name` (local or global name; see the module table)."""
     if _VOCAB.search(name):
         return ParamSharding(0, 1, vocab=True)
+    expert = _EXPERT.search(name)
+    if expert:
+        return _expert_sharding(expert, config)
     column = _COLUMN.search(name)
     if column:
         gated = column.group(1) == "linear_fc1" and config.gated_linear_unit
@@ -88,9 +110,21 @@ def shard_full_tensor(
     *,
     config: TransformerConfig,
     padded_vocab_size: int | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> torch.Tensor:
-    """Tp rank `tp_rank`'s part of the full (tp=1) tensor `full` of parameter `name`."""
+    """Tp rank `tp_rank`'s part of the full (tp=1) tensor `full` of parameter `name`.
+
+    Expert tensors: the experts of `ep_rank`, then the `etp_rank` shard (default: tp's).
+    """
     rule = param_sharding(name, config)
+    if rule.expert:
+        local = full.size(0) // ep_size
+        full = full[ep_rank * local : (ep_rank + 1) * local]
+        tp_rank = tp_rank if etp_rank is None else etp_rank
+        tp_size = tp_size if etp_size is None else etp_size
     if rule.vocab:
         full = _pad_rows(full, padded_vocab_size)
     if rule.dim is None or tp_size == 1:
@@ -104,12 +138,31 @@ def merge_shards(
     *,
     config: TransformerConfig,
     vocab_size: int | None = None,
+    ep_size: int = 1,
 ) -> torch.Tensor:
     """The full tensor from the shards of tp ranks 0..t-1 (inverse of `shard_full_tensor`).
 
-    `vocab_size` drops the padding rows of vocabulary tensors.
+    `vocab_size` drops the padding rows of vocabulary tensors. Expert tensors take the
+    shards of (ep rank, etp rank) in ep-major order: `shards[ep_rank * etp + etp_rank]`.
     """
     rule = param_sharding(name, config)
+    if rule.expert:
+        if len(shards) % ep_size:
+            raise ValueError(
+                f"{name}: {len(shards)} shards for ep_size={ep_size}; the rule: ep * etp "
+                "shards, ep-major; fix: pass every (ep, etp) rank's shard"
+            )
+        etp = len(shards) // ep_size
+        tp_rule = ParamSharding(rule.dim, rule.stride)
+        parts = [_merge_tp(tp_rule, shards[r * etp : (r + 1) * etp]) for r in range(ep_size)]
+        return torch.cat(parts, dim=0)
+    full = _merge_tp(rule, shards)
+    if rule.vocab and vocab_size is not None:
+        full = full[:vocab_size]
+    return full
+
+
+def _merge_tp(rule: ParamSharding, shards: list[torch.Tensor]) -> torch.Tensor:
     if rule.dim is None or len(shards) == 1:
         full = shards[0].clone()
     else:
@@ -117,8 +170,6 @@ def merge_shards(
         full = torch.cat(
             [blocks[r][b] for b in range(rule.stride) for r in range(len(shards))], dim=rule.dim
         )
-    if rule.vocab and vocab_size is not None:
-        full = full[:vocab_size]
     return full
 
 
@@ -159,6 +210,10 @@ def load_full_state_dict(model: Any, full_state_dict: dict[str, torch.Tensor]) -
             par.tp_size,
             config=model.config,
             padded_vocab_size=model.padded_vocab_size,
+            ep_rank=par.rank("ep"),
+            ep_size=par.ep_size,
+            etp_rank=par.rank("etp"),
+            etp_size=par.etp_size,
         )
         if part.shape != param.shape:
             raise ValueError(

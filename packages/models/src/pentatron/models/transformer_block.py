@@ -26,6 +26,7 @@ from pentatron.tp_layers import checkpoint, get_rng_tracker
 
 from .config import TransformerConfig
 from .norm import Norm
+from .parallel import ModelParallel
 from .spec import build_module
 
 
@@ -60,9 +61,14 @@ class TransformerBlock(torch.nn.Module):
         post_layer_norm: bool = True,
         tp_group: Any = None,
         tp_size: int = 1,
+        parallel: ModelParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        if parallel is None and config.is_moe:
+            # MoE layers need the expert groups; without a ModelParallel take the default grid.
+            parallel = ModelParallel.resolve(config, None, vp_stage)
+        extra = {"parallel": parallel} if config.is_moe else {}
         self.layer_offset = get_layer_offset(config, pp_rank, vp_stage)
         n = get_num_layers_to_build(config, pp_rank, vp_stage)
         self.layers = torch.nn.ModuleList(
@@ -72,6 +78,7 @@ class TransformerBlock(torch.nn.Module):
                 layer_number=self.layer_offset + i + 1,
                 tp_group=tp_group,
                 tp_size=tp_size,
+                **extra,
             )
             for i in range(n)
         )

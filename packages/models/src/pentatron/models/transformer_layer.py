@@ -26,6 +26,7 @@ class TransformerLayerSubmodules:
     self_attention: Any = None
     pre_mlp_layernorm: Any = None
     mlp: Any = None
+    moe_mlp: Any = None  # built instead of `mlp` where config.moe_layer_pattern() is True
 
 
 def init_methods(config: TransformerConfig) -> tuple[Any, Any]:
@@ -55,6 +56,7 @@ class TransformerLayer(torch.nn.Module):
         layer_number: int,
         tp_group: Any = None,
         tp_size: int = 1,
+        parallel: Any = None,
     ) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
@@ -71,9 +73,30 @@ class TransformerLayer(torch.nn.Module):
             output_layer_init_method=out_init,
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h)
-        self.mlp = build_module(
-            submodules.mlp,
+        self.mlp = self._build_mlp(submodules, tp_group, parallel, init, out_init)
+
+    def _build_mlp(self, submodules, tp_group, parallel, init, out_init) -> Any:
+        """The dense MLP, or the MoE layer where `config.moe_layer_pattern()` says so."""
+        config = self.config
+        if not config.moe_layer_pattern()[self.layer_number - 1]:
+            return build_module(
+                submodules.mlp,
+                config,
+                tp_group=tp_group,
+                init_method=init,
+                output_layer_init_method=out_init,
+            )
+        if submodules.moe_mlp is None:
+            raise ValueError(
+                f"layer {self.layer_number} is a MoE layer (moe_layer_freq) but the layer "
+                "spec has no moe_mlp; the rule: MoE layers need a spec entry; fix: use "
+                "get_gpt_layer_local_spec() or set TransformerLayerSubmodules.moe_mlp"
+            )
+        return build_module(
+            submodules.moe_mlp,
             config,
+            layer_number=self.layer_number,
+            parallel=parallel,
             tp_group=tp_group,
             init_method=init,
             output_layer_init_method=out_init,

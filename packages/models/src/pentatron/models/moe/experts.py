@@ -1,0 +1,162 @@
+"""Routed experts: E_local MLPs with stacked parameters, run as a loop or a grouped GEMM.
+
+Parameters (this rank: ep rank r holds global experts r*E/ep ... (r+1)*E/ep - 1, etp rank q
+holds the q-th tp shard of each, exactly like the dense MLP's fc1/fc2 at tp):
+    linear_fc1.weight [E_local, F1/etp, h]  (F1 = 2 ffn for SwiGLU: rank q holds [gate_q, up_q])
+    linear_fc1.bias   [E_local, F1/etp]
+    linear_fc2.weight [E_local, h, ffn/etp]
+    linear_fc2.bias   [E_local, h]          (added on etp rank 0 only: the etp partial sums
+                                             are reduced by the dispatcher)
+Every parameter carries `allreduce = False` (reduced over expert data parallel, "edp").
+
+    x [N, h] (expert-major, tokens_per_expert[e] rows each) -> [N, h] (etp-partial sums)
+
+`SequentialMLP` loops over experts; `GroupedMLP` runs one `torch._grouped_mm` per linear
+when the device and dtype support it (CUDA, bf16) and otherwise the same loop, so both give
+the same numbers on CPU and load the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pentatron.tp_layers import shard_of
+
+
+class ExpertLinear(torch.nn.Module):
+    """Stacked weights `[E_local, out, in]` (+ bias `[E_local, out]`) of one expert linear."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.empty(experts, out_features, in_features, dtype=dtype)
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(experts, out_features, dtype=dtype)) if bias else None
+        )
+        for p in self.parameters():
+            p.allreduce = False
+
+
+def _init_stacked(weight, full_shape, init_method, ep_rank, etp_rank, etp, dim, stride) -> None:
+    """Fill `weight` with its (ep, etp) part of one master `[E, ...]` drawn with `init_method`.
+
+    Drawing the full master on every rank keeps the model identical at every layout.
+    """
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    local = weight.size(0)
+    master = master[ep_rank * local : (ep_rank + 1) * local]
+    with torch.no_grad():
+        weight.copy_(shard_of(master, dim, etp_rank, etp, stride).to(weight.dtype))
+
+
+class SequentialMLP(torch.nn.Module):
+    """The local experts, one matmul pair each (Megatron's SequentialMLP numerics)."""
+
+    def __init__(
+        self,
+        config: Any,
+        num_local_experts: int,
+        ep_rank: int = 0,
+        etp_rank: int = 0,
+        etp_size: int = 1,
+        init_method: Any = None,
+        output_layer_init_method: Any = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.num_local_experts = config, num_local_experts
+        self.etp_rank, self.etp_size = etp_rank, etp_size
+        h, ffn, gated = config.hidden_size, config.moe_ffn_size, config.gated_linear_unit
+        f1 = ffn * (2 if gated else 1)
+        bias, dtype, e = config.add_bias_linear, config.params_dtype, config.num_moe_experts
+        self.linear_fc1 = ExpertLinear(num_local_experts, f1 // etp_size, h, bias, dtype)
+        self.linear_fc2 = ExpertLinear(num_local_experts, h, ffn // etp_size, bias, dtype)
+        if bias and etp_size > 1:
+            # Only etp rank 0 adds fc2's bias: its grad is all-reduced over etp (sync_grads).
+            self.linear_fc2.bias.expert_tp_partial = True
+        if init_method is not None:
+            _init_stacked(
+                self.linear_fc1.weight,
+                (e, f1, h),
+                init_method,
+                ep_rank,
+                etp_rank,
+                etp_size,
+                1,
+                2 if gated else 1,
+            )
+            _init_stacked(
+                self.linear_fc2.weight,
+                (e, h, ffn),
+                output_layer_init_method or init_method,
+                ep_rank,
+                etp_rank,
+                etp_size,
+                2,
+                1,
+            )
+
+    def _check(self, x: torch.Tensor, tokens_per_expert: list[int]) -> None:
+        if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != x.size(0):
+            raise ValueError(
+                f"tokens_per_expert={list(tokens_per_expert)} for {x.size(0)} rows and "
+                f"{self.num_local_experts} local experts; the rule: one count per local "
+                "expert, summing to the rows; fix: pass the dispatcher's counts"
+            )
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            return self.config.activation_func(gate) * up
+        return self.config.activation_func(h)
+
+    def fc2_bias(self, e: int) -> torch.Tensor | None:
+        """fc2's bias on etp rank 0 only (the etp shards of fc2's output are summed later)."""
+        b = self.linear_fc2.bias
+        return None if b is None or self.etp_rank != 0 else b[e]
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """`[N, h]` expert-major -> `[N, h]`."""
+        self._check(x, tokens_per_expert)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        outs = []
+        for e, chunk in enumerate(torch.split(x, list(tokens_per_expert), dim=0)):
+            b1 = None if fc1.bias is None else fc1.bias[e]
+            h = self.activation(torch.nn.functional.linear(chunk, fc1.weight[e], b1))
+            outs.append(torch.nn.functional.linear(h, fc2.weight[e], self.fc2_bias(e)))
+        if not outs:
+            return x.new_zeros((0, x.size(-1)))
+        return torch.cat(outs, dim=0)
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on CUDA with bf16 (SM90+); elsewhere use the loop."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+class GroupedMLP(SequentialMLP):
+    """Same parameters as SequentialMLP; one grouped GEMM per linear when supported."""
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        self._check(x, tokens_per_expert)
+        if not grouped_mm_supported(x) or x.size(0) == 0:
+            return super().forward(x, tokens_per_expert)
+        counts = torch.tensor(list(tokens_per_expert), device=x.device)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
+        if fc1.bias is not None:
+            h = h + fc1.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
+        h = self.activation(h)
+        out = torch._grouped_mm(h, fc2.weight.transpose(1, 2), offs=offs)
+        if fc2.bias is not None and self.etp_rank == 0:
+            out = out + fc2.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
+        return out

@@ -1,0 +1,218 @@
+"""Single-process MoE tests: permute/unpermute, grouped == sequential experts, the MoE layer
+against a per-token loop, shared experts, GPT integration, expert sharding, bad input."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _gpt import VOCAB, S, small_config
+from _moe import TopKRouter, moe_config, moe_spec
+
+from pentatron.models import GPTModel, get_gpt_layer_local_spec, merge_shards, shard_full_tensor
+from pentatron.models.moe.experts import GroupedMLP, SequentialMLP
+from pentatron.models.moe.moe_layer import MoELayer, MoESubmodules
+from pentatron.models.moe.permute import permute, unpermute
+from pentatron.tp_layers import init_method_normal
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _routing(t=12, e=4, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(t, e, generator=g)
+    top, idx = scores.topk(k, dim=-1)
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter(1, idx, True)
+    probs = torch.zeros(t, e).scatter(1, idx, top / top.sum(-1, keepdim=True))
+    return probs, routing_map
+
+
+def test_permute_is_expert_major_and_round_trips():
+    probs, rmap = _routing()
+    x = torch.randn(12, 5)
+    out, idx = permute(x, rmap)
+    assert out.shape == (24, 5)
+    expected = [t for e in range(4) for t in range(12) if rmap[t, e]]
+    assert idx.tolist() == expected
+    torch.testing.assert_close(unpermute(out, idx, 12, probs, rmap), x, **TOL)
+    torch.testing.assert_close(unpermute(out, idx, 12), 2 * x, **TOL)  # top-2: two copies
+
+
+def test_padding_to_capacity_changes_no_output():
+    probs, rmap = _routing()
+    x = torch.randn(12, 5)
+    cap = int(rmap.sum(0).max()) + 1
+    out, idx = permute(x, rmap, cap)
+    assert out.shape == (4 * cap, 5)
+    torch.testing.assert_close(unpermute(out, idx, 12, probs, rmap, cap), x, **TOL)
+    with pytest.raises(ValueError, match="capacity"):
+        permute(x, rmap, int(rmap.sum(0).max()) - 1)
+
+
+def test_permute_bad_input():
+    _probs, rmap = _routing()
+    with pytest.raises(ValueError, match="routing_map"):
+        permute(torch.randn(11, 5), rmap)
+    with pytest.raises(ValueError, match="bool"):
+        permute(torch.randn(12, 5), rmap.float())
+    with pytest.raises(ValueError, match=r"\[T, h\]"):
+        permute(torch.randn(12, 1, 5), rmap)
+
+
+def _experts(cls, config, seed=0):
+    torch.manual_seed(seed)
+    init = init_method_normal(0.1)
+    return cls(config, config.num_moe_experts, init_method=init, output_layer_init_method=init)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_equals_sequential(activation):
+    config = moe_config(activation=activation)
+    seq, grp = _experts(SequentialMLP, config), _experts(GroupedMLP, config)
+    grp.load_state_dict(seq.state_dict())
+    counts = [3, 0, 5, 1, 2, 0, 4, 1]
+    x = torch.randn(sum(counts), config.hidden_size, requires_grad=True)
+    a, b = seq(x, counts), grp(x, counts)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ga = torch.autograd.grad(a.square().sum(), [x, *seq.parameters()])
+    gb = torch.autograd.grad(b.square().sum(), [x, *grp.parameters()])
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        seq(x, counts[:-1])
+
+
+def _expert_loop(experts, config, x, e):
+    """Expert e of the stacked parameters as a plain dense MLP (independent of permute)."""
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    h = F.linear(x, fc1.weight[e], fc1.bias[e])
+    gate, up = torch.chunk(h, 2, dim=-1)
+    return F.linear(F.silu(gate) * up, fc2.weight[e], fc2.bias[e])
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_moe_layer_equals_per_token_loop(dispatcher, pad):
+    extra = (
+        dict(moe_expert_capacity_factor=8.0, moe_pad_expert_input_to_capacity=True) if pad else {}
+    )
+    config = moe_config(moe_token_dispatcher_type=dispatcher, **extra)
+    torch.manual_seed(0)
+    init = init_method_normal(0.1)
+    layer = MoELayer(config, MoESubmodules(router=TopKRouter), init_method=init)
+    x = torch.randn(6, 2, config.hidden_size)
+    out, bias = layer(x)
+    assert bias is None and out.shape == x.shape
+    probs, rmap = layer.router(x)
+    tokens = x.reshape(-1, config.hidden_size)
+    want = torch.zeros_like(tokens)
+    for t in range(tokens.size(0)):
+        for e in rmap[t].nonzero().flatten().tolist():
+            want[t] += probs[t, e] * _expert_loop(layer.experts, config, tokens[t], e)
+    torch.testing.assert_close(out.reshape(-1, config.hidden_size), want, **TOL)
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_experts_added(gate):
+    config = moe_config(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=gate)
+    torch.manual_seed(0)
+    layer = MoELayer(config, MoESubmodules(router=TopKRouter), init_method=init_method_normal(0.1))
+    x = torch.randn(4, 2, config.hidden_size)
+    shared = layer.shared_experts
+    h = shared.linear_fc1.weight
+    y = F.linear(x, h, shared.linear_fc1.bias)
+    g, u = torch.chunk(y, 2, dim=-1)
+    want = F.linear(F.silu(g) * u, shared.linear_fc2.weight, shared.linear_fc2.bias)
+    if gate:
+        assert shared.gate_weight.shape == (1, config.hidden_size)
+        want = want * torch.sigmoid(x @ shared.gate_weight.t())
+    layer.shared_experts = None
+    routed, _ = layer(x)
+    layer.shared_experts = shared
+    out, _ = layer(x)
+    torch.testing.assert_close(out, routed + want, **TOL)
+
+
+def test_overlap_on_cpu_has_identical_numerics():
+    kw = dict(moe_shared_expert_intermediate_size=24, moe_token_dispatcher_type="alltoall")
+    torch.manual_seed(0)
+    a = MoELayer(
+        moe_config(**kw), MoESubmodules(router=TopKRouter), init_method=init_method_normal(0.1)
+    )
+    b = MoELayer(moe_config(moe_shared_expert_overlap=True, **kw), MoESubmodules(router=TopKRouter))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 2, a.config.hidden_size)
+    torch.testing.assert_close(a(x)[0], b(x)[0], rtol=0, atol=0)
+
+
+def test_gpt_param_layout_and_dense_unchanged():
+    config = moe_config(moe_layer_freq=[0, 1], moe_router_enable_expert_bias=False)
+    torch.manual_seed(0)
+    model = GPTModel(config, moe_spec(), VOCAB, S)
+    names = dict(model.named_parameters())
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in names  # dense first layer
+    assert names["decoder.layers.1.mlp.router.weight"].shape == (8, 32)
+    assert names["decoder.layers.1.mlp.experts.linear_fc1.weight"].shape == (8, 32, 32)
+    assert names["decoder.layers.1.mlp.experts.linear_fc1.bias"].shape == (8, 32)
+    assert names["decoder.layers.1.mlp.experts.linear_fc2.weight"].shape == (8, 32, 16)
+    assert names["decoder.layers.1.mlp.experts.linear_fc2.bias"].shape == (8, 32)
+    assert names["decoder.layers.1.mlp.experts.linear_fc2.weight"].allreduce is False
+    assert getattr(names["decoder.layers.1.mlp.router.weight"], "allreduce", True)
+    ids = torch.randint(0, VOCAB, (2, S))
+    model(ids, labels=ids).mean().backward()
+    assert names["decoder.layers.1.mlp.experts.linear_fc1.weight"].grad.abs().sum() > 0
+    dense = GPTModel(small_config(num_layers=2), get_gpt_layer_local_spec(), VOCAB, S)
+    assert not any(".experts." in n for n, _ in dense.named_parameters())
+
+
+def test_missing_moe_spec_entry_is_a_clear_error():
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.moe_mlp = None
+    with pytest.raises(ValueError, match="moe_mlp"):
+        GPTModel(moe_config(), spec, VOCAB, S)
+
+
+def test_moe_layer_bad_input():
+    layer = MoELayer(moe_config(), MoESubmodules(router=TopKRouter))
+    with pytest.raises(ValueError, match="hidden_size"):
+        layer(torch.randn(4, 31))
+    with pytest.raises(ValueError, match="num_moe_experts"):
+        MoELayer(small_config(), MoESubmodules(router=TopKRouter))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_expert_shards_round_trip(activation):
+    config = moe_config(activation=activation)
+    ep, etp = 2, 2
+    for name, shape in [
+        (
+            "decoder.layers.0.mlp.experts.linear_fc1.weight",
+            (8, 32 if activation == "swiglu" else 16, 32),
+        ),
+        ("decoder.layers.0.mlp.experts.linear_fc1.bias", (8, 32 if activation == "swiglu" else 16)),
+        ("decoder.layers.0.mlp.experts.linear_fc2.weight", (8, 32, 16)),
+        ("decoder.layers.0.mlp.experts.linear_fc2.bias", (8, 32)),
+    ]:
+        full = torch.randn(shape)
+        shards = [
+            shard_full_tensor(
+                name, full, 0, 1, config=config, ep_rank=r, ep_size=ep, etp_rank=q, etp_size=etp
+            )
+            for r in range(ep)
+            for q in range(etp)
+        ]
+        assert shards[0].size(0) == 4
+        torch.testing.assert_close(merge_shards(name, shards, config=config, ep_size=ep), full)
+    if activation == "swiglu":  # etp rank q holds [gate_q, up_q] of every expert
+        full = torch.randn(8, 32, 32)
+        name = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+        part = shard_full_tensor(
+            name, full, 0, 1, config=config, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2
+        )
+        torch.testing.assert_close(part, torch.cat([full[4:, 8:16], full[4:, 24:32]], dim=1))

@@ -1,0 +1,220 @@
+"""Acceptance: expert-parallel parity of a 2-layer MoE GPT (8 experts, top-2, SwiGLU with
+biases, aux loss 1e-2 and z-loss 1e-3) on 4 gloo ranks against one process, fp32,
+rtol 1e-5 / atol 1e-6: per-token losses and every gradient (tp/ep/etp shards merged).
+
+ep is carved out of dp, so ranks of one ep group hold different micro-batches: dp rank d
+trains on its own M micro-batches; the reference runs all dp ranks' micro-batches one
+after another as separate micro-batches (aux losses are per micro-batch), with the loss
+of each scaled by 1/(M dp) and the aux-loss grad scale 1/(M dp) - what the pipeline's
+1/M plus DDP's mean over dp give. Distributed grads are finalized like DDP: dense grads
+all-reduced over dp-cp, expert grads (`allreduce=False`) over edp, both divided by dp.
+
+Layouts (tp, pp, ep, etp, dispatcher, grouped, capacity factor) on world 4:
+  tp1 pp1 ep2 etp1 alltoall seq | tp1 pp1 ep4 etp1 allgather grouped
+  tp1 pp1 ep2 etp1 allgather seq | tp2 pp1 ep2 etp2 alltoall grouped
+  tp2 pp1 ep2 etp1 alltoall seq | tp2 pp1 ep1 etp2 allgather seq
+  tp1 pp2 ep2 etp1 alltoall grouped | tp2 pp2 ep1 etp2 alltoall seq
+  capacity 1.0 with dropping, tp1 ep2: alltoall, and allgather padded to capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _gpt import DIVISIBLE_BY, TOL, VOCAB, B, S, microbatches
+from _moe import moe_config, moe_spec
+
+from pentatron.models import (
+    GPTModel,
+    build_model_chunks,
+    global_param_name,
+    load_full_state_dict,
+    merge_shards,
+    sync_grads,
+)
+from pentatron.models.moe.load_balancing import set_aux_loss_scale
+from pentatron.parallel_state import (
+    ParallelConfig,
+    comm,
+    destroy_model_parallel,
+    initialize_model_parallel,
+)
+from pentatron.pipeline import PipelineConfig, get_forward_backward_func
+from pentatron.tp_layers import model_parallel_seed
+
+WORLD, M = 4, 2
+LAYOUTS = [  # (tp, pp, ep, etp, dispatcher, grouped, capacity_factor, pad)
+    (1, 1, 2, 1, "alltoall", False, None, False),
+    (1, 1, 4, 1, "allgather", True, None, False),
+    (1, 1, 2, 1, "allgather", False, None, False),
+    (2, 1, 2, 2, "alltoall", True, None, False),
+    (2, 1, 2, 1, "alltoall", False, None, False),
+    (2, 1, 1, 2, "allgather", False, None, False),
+    (1, 2, 2, 1, "alltoall", True, None, False),
+    (2, 2, 1, 2, "alltoall", False, None, False),
+    (1, 1, 2, 1, "alltoall", False, 1.0, False),
+    (1, 1, 2, 1, "allgather", False, 1.0, True),
+]
+
+
+def _config(layout):
+    tp, pp, ep, etp, disp, grouped, cf, pad = layout
+    return moe_config(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type=disp,
+        moe_grouped_gemm=grouped,
+        moe_expert_capacity_factor=cf,
+        moe_pad_expert_input_to_capacity=pad,
+        moe_aux_loss_coeff=1e-2,
+        moe_z_loss_coeff=1e-3,
+    )
+
+
+def _dp(layout):
+    return WORLD // (layout[0] * layout[1])
+
+
+def _data(dp):
+    return [microbatches(M, seed=10 + d) for d in range(dp)]
+
+
+def _reference(layout):
+    config = dataclasses.replace(
+        _config(layout),
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=False,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(config, moe_spec(), VOCAB, S, make_vocab_size_divisible_by=DIVISIBLE_BY)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dp = _dp(layout)
+    set_aux_loss_scale(1.0 / (M * dp))
+    losses = []
+    for batches in _data(dp):
+        per_rank = []
+        for ids, pos, labels in batches:
+            loss = model(ids, pos, labels=labels)
+            (loss.mean() / (M * dp)).backward()
+            per_rank.append(loss.detach())
+        losses.append(per_rank)
+    set_aux_loss_scale(1.0)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return state, losses, grads
+
+
+def _finalize(grid, dp):
+    def finalize(chunks, tokens):
+        sync_grads(chunks)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                expert = not getattr(p, "allreduce", True)
+                comm.all_reduce(p.grad, group=grid.group("edp" if expert else "dp-cp"))
+                p.grad /= dp
+
+    return finalize
+
+
+def _forward_step(data_iterator, model):
+    ids, pos, labels = next(data_iterator)
+    return model(ids, pos, labels=labels), lambda out: (out.mean(), out.detach().clone())
+
+
+def _case(layout, state):
+    tp, pp, ep, etp = layout[:4]
+    grid = initialize_model_parallel(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
+    try:
+        model_parallel_seed(1234, grid)
+        config = _config(layout)
+        chunks = build_model_chunks(
+            config, moe_spec(), VOCAB, S, grid, make_vocab_size_divisible_by=DIVISIBLE_BY
+        )
+        for c in chunks:
+            load_full_state_dict(c, state)
+        dp = grid.size("dp")
+        pcfg = PipelineConfig(
+            hidden_size=config.hidden_size,
+            sequence_parallel=config.sequence_parallel,
+            finalize_model_grads_func=_finalize(grid, dp),
+            aux_loss_scale_func=set_aux_loss_scale,
+        )
+        losses = get_forward_backward_func(pp, None)(
+            forward_step_func=_forward_step,
+            data_iterator=iter(_data(dp)[grid.rank("dp")]),
+            model=chunks[0],
+            num_microbatches=M,
+            seq_length=S,
+            micro_batch_size=B,
+            config=pcfg,
+            grid=grid,
+        )
+        set_aux_loss_scale(1.0)
+        grads = {
+            global_param_name(n, c.layer_offset): p.grad.clone()
+            for c in chunks
+            for n, p in c.named_parameters()
+        }
+        ranks = {k: grid.rank(k) for k in ("tp", "dp", "ep", "etp")}
+        return {"ranks": ranks, "losses": list(losses), "grads": grads}
+    finally:
+        destroy_model_parallel(grid)
+
+
+def _all_layouts(layouts, states):
+    return [_case(lay, states[i]) for i, lay in enumerate(layouts)]
+
+
+@pytest.fixture(scope="module")
+def parity(distributed):
+    refs = [_reference(lay) for lay in LAYOUTS]
+    per_rank = distributed.run(WORLD, _all_layouts, LAYOUTS, [r[0] for r in refs])
+    return refs, [[r[i] for r in per_rank] for i in range(len(LAYOUTS))]
+
+
+def _merged(results, layout):
+    config, ep = _config(layout), layout[2]
+    by_name: dict[str, dict] = {}
+    for r in results:
+        for name, g in r["grads"].items():
+            rk = r["ranks"]
+            key = (rk["ep"], rk["etp"]) if ".experts." in name else rk["tp"]
+            by_name.setdefault(name, {})[key] = g
+    return {
+        name: merge_shards(name, [s[k] for k in sorted(s)], config=config, ep_size=ep)
+        for name, s in by_name.items()
+    }
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=lambda i: "-".join(map(str, LAYOUTS[i])))
+def test_losses_and_grads_match_single_process(parity, index):
+    refs, results = parity
+    _, ref_losses, ref_grads = refs[index]
+    results = results[index]
+    last = [r for r in results if r["losses"]]
+    assert last
+    for r in last:
+        for got, want in zip(r["losses"], ref_losses[r["ranks"]["dp"]], strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+    grads = _merged(results, LAYOUTS[index])
+    if LAYOUTS[index][1] > 1:
+        torch.testing.assert_close(
+            grads.pop("output_layer.weight"), ref_grads["embedding.word_embeddings.weight"], **TOL
+        )
+    assert sorted(grads) == sorted(ref_grads)
+    for name, want in ref_grads.items():
+        torch.testing.assert_close(grads[name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
