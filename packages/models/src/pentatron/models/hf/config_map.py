@@ -1,4 +1,5 @@
-"""Hugging Face Llama config <-> `TransformerConfig`, both ways, with clear refusals.
+"""Hugging Face Llama / Mixtral / Qwen2-MoE config <-> `TransformerConfig`, both ways,
+with clear refusals (the MoE fields: `moe_config_map`; the table below is shared).
 
     LlamaConfig field                         TransformerConfig field
     num_hidden_layers                         num_layers
@@ -31,8 +32,11 @@ from typing import Any
 import torch
 
 from ..config import RopeScaling, TransformerConfig
+from .errors import HFConfigError, fail
+from .moe_config_map import MOE_MODEL_TYPES, moe_fields_from_hf, moe_to_hf_fields
+from .moe_map import hf_arch
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 # Fields copied verbatim into `extras`, so config_to_hf can give them back.
@@ -43,17 +47,15 @@ _EXTRA_FIELDS = (
     "initializer_range",
     "use_cache",
     "pretraining_tp",
+    "output_router_logits",
+    "max_window_layers",
 )
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class HFConfigError(ValueError):
-    """A Hugging Face config this converter cannot represent; names the field and a fix."""
-
-
-def _fail(field: str, value: Any, rule: str, fix: str) -> None:
-    raise HFConfigError(f"Hugging Face config {field}={value!r}: {rule}; fix: {fix}")
+__all__ = ["HFConfigError", "config_from_hf", "config_to_hf", "config_to_hf_dict"]
+_fail = fail
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -130,10 +132,15 @@ def config_from_hf(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     params_dtype: torch.dtype | None = None,
     **overrides: Any,
 ) -> tuple[TransformerConfig, int, int, dict[str, Any]]:
-    """`LlamaConfig` (or its config.json dict) -> `(config, vocab_size, max_seq_len, extras)`.
+    """`LlamaConfig` / `MixtralConfig` / `Qwen2MoeConfig` (or its config.json dict) ->
+    `(config, vocab_size, max_seq_len, extras)`.
+
+    The expert sizes apply to MoE configs only (a dense model with ep > 1 is refused).
 
     `extras` holds the HF fields that have no TransformerConfig counterpart (token ids,
     ...) for `config_to_hf`. `params_dtype` defaults to the checkpoint's `dtype` (fp32 when
@@ -147,27 +154,31 @@ def config_from_hf(
         _fail(
             "model_type",
             model_type,
-            f"only {SUPPORTED_MODEL_TYPES} is supported",
-            "convert a Llama model",
+            f"only {SUPPORTED_MODEL_TYPES} are supported",
+            "convert a Llama, Mixtral or Qwen2-MoE model",
         )
     act = d.get("hidden_act", "silu")
     if act != "silu":
         _fail(
             "hidden_act",
             act,
-            "Llama's MLP maps to SwiGLU, which needs silu",
+            "the gated MLP maps to SwiGLU, which needs silu",
             "use hidden_act='silu'",
         )
-    attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
-    if attn_bias != mlp_bias:
+    if model_type == "llama":
+        arch_kw = _llama_fields(d)
+    else:
+        arch_kw = moe_fields_from_hf(d, model_type)
+        arch_kw["expert_model_parallel_size"] = expert_model_parallel_size
+        arch_kw["expert_tensor_parallel_size"] = expert_tensor_parallel_size
+    if expert_model_parallel_size != 1 and model_type == "llama":
         _fail(
-            "attention_bias",
-            attn_bias,
-            f"with mlp_bias={mlp_bias}: Megatron's add_bias_linear puts biases on all four "
-            "linears (q/k/v/o and gate/up/down) or none",
-            "use attention_bias == mlp_bias",
+            "model_type",
+            model_type,
+            f"expert_model_parallel_size={expert_model_parallel_size} needs a MoE model",
+            "use ep=1 for a dense model",
         )
-    if d.get("sliding_window") is not None:
+    if model_type != "qwen2_moe" and d.get("sliding_window") is not None:
         _fail(
             "sliding_window",
             d["sliding_window"],
@@ -182,12 +193,9 @@ def config_from_hf(
         num_attention_heads=heads,
         num_query_groups=d.get("num_key_value_heads") or heads,
         kv_channels=d.get("head_dim") or d["hidden_size"] // heads,
-        ffn_hidden_size=d["intermediate_size"],
         normalization="RMSNorm",
         layernorm_epsilon=float(d.get("rms_norm_eps", 1e-6)),
         activation="swiglu",
-        add_bias_linear=attn_bias,
-        add_qkv_bias=False,
         qk_layernorm=False,
         position_embedding_type="rope",
         rotary_base=theta,
@@ -202,10 +210,27 @@ def config_from_hf(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        **overrides,
+        **{**arch_kw, **overrides},
     )
     extras = {k: d[k] for k in _EXTRA_FIELDS if k in d}
     return config, int(d["vocab_size"]), int(d.get("max_position_embeddings", 2048)), extras
+
+
+def _llama_fields(d: dict[str, Any]) -> dict[str, Any]:
+    attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        _fail(
+            "attention_bias",
+            attn_bias,
+            f"with mlp_bias={mlp_bias}: Megatron's add_bias_linear puts biases on all four "
+            "linears (q/k/v/o and gate/up/down) or none",
+            "use attention_bias == mlp_bias",
+        )
+    return {
+        "ffn_hidden_size": d["intermediate_size"],
+        "add_bias_linear": attn_bias,
+        "add_qkv_bias": False,
+    }
 
 
 def _check_representable(config: TransformerConfig) -> None:
@@ -219,10 +244,10 @@ def _check_representable(config: TransformerConfig) -> None:
     for name, value, want in rules:
         if value != want:
             raise HFConfigError(
-                f"TransformerConfig {name}={value!r}: LlamaForCausalLM needs {name}={want!r}; "
-                "fix: only Llama-shaped GPTs export to Hugging Face"
+                f"TransformerConfig {name}={value!r}: Llama / Mixtral / Qwen2-MoE need "
+                f"{name}={want!r}; fix: only GPTs of those shapes export to Hugging Face"
             )
-    if config.add_qkv_bias and not config.add_bias_linear:
+    if hf_arch(config) == "llama" and config.add_qkv_bias and not config.add_bias_linear:
         raise HFConfigError(
             "TransformerConfig add_qkv_bias=True with add_bias_linear=False: Llama has biases "
             "on all attention projections (attention_bias) or none; fix: use add_bias_linear"
@@ -237,7 +262,8 @@ def config_to_hf_dict(
     *,
     rope_parameters: bool = True,
 ) -> dict[str, Any]:
-    """The config.json dict of the matching `LlamaConfig` (no transformers needed).
+    """The config.json dict of the matching `LlamaConfig` / `MixtralConfig` /
+    `Qwen2MoeConfig` (by `moe_map.hf_arch(config)`; no transformers needed).
 
     `rope_parameters=True` writes transformers 5's `rope_parameters`; False the older
     `rope_theta` + `rope_scaling` (which transformers 5 still reads).
@@ -267,14 +293,17 @@ def config_to_hf_dict(
         "head_dim": config.kv_channels,
         "hidden_act": "silu",
         "rms_norm_eps": config.layernorm_epsilon,
-        "attention_bias": bool(config.add_bias_linear),
-        "mlp_bias": bool(config.add_bias_linear),
         "attention_dropout": config.attention_dropout,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
         "initializer_range": config.init_method_std,
         "dtype": dtype,
         "torch_dtype": dtype,
     }
+    arch = hf_arch(config)
+    if arch == "llama":
+        d["attention_bias"] = d["mlp_bias"] = bool(config.add_bias_linear)
+    else:
+        d.update(moe_to_hf_fields(config, arch))
     if rope_parameters:
         d["rope_parameters"] = {**rope, "rope_theta": config.rotary_base}
     else:
@@ -290,13 +319,18 @@ def config_to_hf(
     max_seq_len: int,
     extras: dict[str, Any] | None = None,
 ) -> Any:
-    """A `transformers.LlamaConfig` equal to `config` (imports transformers)."""
-    from transformers import LlamaConfig
+    """A transformers `LlamaConfig` / `MixtralConfig` / `Qwen2MoeConfig` equal to `config`
+    (imports transformers)."""
+    import transformers
 
-    v5 = "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters
+    arch = hf_arch(config)
+    name = {"llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}
+    cls = getattr(transformers, name[arch])
+    v5 = "rope_parameters" in inspect.signature(cls.__init__).parameters
     d = config_to_hf_dict(config, vocab_size, max_seq_len, extras, rope_parameters=v5)
-    for key in ("architectures", "model_type", "dtype", "torch_dtype"):
+    architectures = d.pop("architectures")
+    for key in ("model_type", "dtype", "torch_dtype"):
         d.pop(key)
-    hf = LlamaConfig(**d)
-    hf.architectures = ["LlamaForCausalLM"]
+    hf = cls(**d)
+    hf.architectures = architectures
     return hf

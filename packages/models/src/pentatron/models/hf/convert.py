@@ -1,10 +1,11 @@
-"""`from_hf`, `to_hf` and the sharded load of a Hugging Face Llama checkpoint.
+"""`from_hf`, `to_hf` and the sharded load of a Hugging Face Llama / Mixtral / Qwen2-MoE
+checkpoint (MoE: experts split over ep and etp, see `moe_map`).
 
     from_hf(hf_model) -> GPTModel          every parameter copied from the HF tensors
     to_hf(model) -> {hf_name: tensor}      tp shards all-gathered (tp group), padding dropped;
                                            gather_pipeline=True: every stage's part, everywhere
     load_hf_checkpoint_shard(dir, grid)    this rank's chunk, reading only its slices
-    hf_shard_state_dict(source, ...)       the same tensors for any (tp, pp) rank, no groups
+    hf_shard_state_dict(source, ...)       the same tensors for any (tp, pp, ep) rank, no groups
 
 Pipeline parallelism: each chunk maps only its own layers (global indices), the first stage
 the embedding, the last stage the final norm and output layer. `to_hf` of a pipeline rank
@@ -31,9 +32,10 @@ from pentatron.tp_layers import pad_vocab_size
 from ..config import TransformerConfig
 from ..gpt_model import GPTModel
 from ..layer_specs import get_gpt_layer_local_spec
-from ..sharding import global_param_name, merge_shards
+from ..sharding import global_param_name, merge_shards, param_sharding
 from ..transformer_block import get_layer_offset, get_num_layers_to_build
 from .config_map import config_from_hf
+from .moe_map import default_expert_layout
 from .safetensors_io import SafetensorsDirSource, read_json
 from .state_map import DictSource, TensorSource, chunk_param_names, full_to_hf, read_shard
 
@@ -51,6 +53,8 @@ def _sizes(grid: ProcessGrid | None) -> dict[str, Any]:
         "tensor_model_parallel_size": grid.size("tp"),
         "pipeline_model_parallel_size": grid.size("pp"),
         "virtual_pipeline_model_parallel_size": grid.layout.vpp,
+        "expert_model_parallel_size": grid.size("ep"),
+        "expert_tensor_parallel_size": grid.size("etp"),
     }
 
 
@@ -68,6 +72,10 @@ def load_from_source(model: GPTModel, src: TensorSource) -> None:
             tp_size=par.tp_size,
             vocab_size=model.vocab_size,
             padded_vocab_size=model.padded_vocab_size,
+            ep_rank=par.rank("ep"),
+            ep_size=par.ep_size,
+            etp_rank=par.rank("etp"),
+            etp_size=par.etp_size,
         )
         if part.shape != param.shape:
             raise ValueError(
@@ -108,7 +116,8 @@ def from_hf(
     params_dtype: torch.dtype | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
-    """A GPTModel with the weights of `hf` (a LlamaForCausalLM, or its state dict + config).
+    """A GPTModel with the weights of `hf` (a LlamaForCausalLM / MixtralForCausalLM /
+    Qwen2MoeForCausalLM, or its state dict + config; experts in either layout).
 
     Single process by default; with `grid` (or a default grid) it builds this rank's chunk
     from the in-memory HF tensors (every rank then holds the HF model: use
@@ -140,10 +149,10 @@ def load_hf_checkpoint_shard(
     params_dtype: torch.dtype | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
-    """This rank's GPTModel chunk from a HF Llama safetensors directory (config.json + weights).
+    """This rank's GPTModel chunk from a HF safetensors directory (config.json + weights).
 
     Reads only the tensors of this chunk's layers and, of those, only this tp rank's rows or
-    columns (`safe_open(...).get_slice`); no rank materialises the full model. The layout
+    columns (MoE: only this ep rank's experts, and of each this etp rank's slice) (`safe_open(...).get_slice`); no rank materialises the full model. The layout
     comes from `grid` (None: the default grid, else one process). With vpp, call once per
     `vp_stage`. transformers is not needed.
     """
@@ -176,9 +185,12 @@ def hf_shard_state_dict(
     pp_rank: int,
     vp_stage: int | None = None,
     make_vocab_size_divisible_by: int = 128,
+    ep_rank: int = 0,
+    etp_rank: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The state dict (local names) of GPTModel chunk (tp_rank, pp_rank, vp_stage) of
-    `config`'s layout, read from HF tensors; needs no process group (used by the CLI)."""
+    """The state dict (local names) of GPTModel chunk (tp_rank, pp_rank, vp_stage, ep_rank,
+    etp_rank (default: tp_rank)) of `config`'s layout, read from HF tensors; needs no
+    process group (used by the CLI)."""
     tp = config.tensor_model_parallel_size
     padded = pad_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
     pre, post = stage_flags(config, pp_rank, vp_stage)
@@ -200,12 +212,31 @@ def hf_shard_state_dict(
             tp_size=tp,
             vocab_size=vocab_size,
             padded_vocab_size=padded,
+            ep_rank=ep_rank,
+            ep_size=config.expert_model_parallel_size,
+            etp_rank=etp_rank,
+            etp_size=config.expert_tp_size,
         ).clone()
     return out
 
 
+def _all_gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+    shards = [torch.empty_like(t) for _ in range(size)]
+    comm.all_gather(shards, t.contiguous(), group=group)
+    return shards
+
+
 def _gather_tp(name: str, t: torch.Tensor, model: GPTModel) -> torch.Tensor:
+    """tp shards -> full; expert tensors: etp shards -> all-gather(etp), then the ep ranks'
+    experts -> all-gather(ep) -> `[E, ...]`."""
     par = model.parallel
+    if param_sharding(name, model.config).expert:
+        if par.etp_size > 1:
+            etp_shards = _all_gather(t, par.etp_size, par.group("etp"))
+            t = merge_shards(name, etp_shards, config=model.config)
+        if par.ep_size > 1:
+            t = torch.cat(_all_gather(t, par.ep_size, par.group("ep")), dim=0)
+        return t
     if par.tp_size == 1:
         return t
     shards = [torch.empty_like(t) for _ in range(par.tp_size)]
@@ -215,7 +246,10 @@ def _gather_tp(name: str, t: torch.Tensor, model: GPTModel) -> torch.Tensor:
 
 @torch.no_grad()
 def to_hf(
-    model: GPTModel | list[GPTModel], *, gather_pipeline: bool = False
+    model: GPTModel | list[GPTModel],
+    *,
+    gather_pipeline: bool = False,
+    expert_layout: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The Hugging Face state dict of `model` (a chunk, or this rank's list of chunks).
 
@@ -224,8 +258,12 @@ def to_hf(
     (see the module docstring), unless `gather_pipeline`: then every stage's tensors are
     broadcast over the pp group and every rank returns the whole dict (a collective over
     pp; memory: the full model on every rank). Tied embeddings give `lm_head.weight` equal
-    to `model.embed_tokens.weight`, as `LlamaForCausalLM.state_dict()` does.
+    to `model.embed_tokens.weight`, as `LlamaForCausalLM.state_dict()` does. MoE experts
+    are all-gathered over etp and ep and written in `expert_layout` ("fused": transformers
+    >= 5 in memory; "per_expert": transformers 4 and checkpoint files; None: the installed
+    transformers', so `hf_model.load_state_dict(to_hf(model))` works).
     """
+    layout = expert_layout or default_expert_layout()
     chunks = model if isinstance(model, (list, tuple)) else [model]
     out: dict[str, torch.Tensor] = {}
     for chunk in chunks:
@@ -233,7 +271,7 @@ def to_hf(
             global_param_name(local, chunk.layer_offset): _gather_tp(local, t, chunk)
             for local, t in chunk.state_dict().items()
         }
-        out.update(full_to_hf(full, chunk.config, chunk.vocab_size))
+        out.update(full_to_hf(full, chunk.config, chunk.vocab_size, expert_layout=layout))
     par = chunks[0].parallel
     if gather_pipeline and par.pp_size > 1:
         out = _gather_pipeline(out, par.grid)

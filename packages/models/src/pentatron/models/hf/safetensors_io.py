@@ -2,7 +2,8 @@
 
 `SafetensorsDirSource(dir)` is a `TensorSource` over a Hugging Face checkpoint directory:
 `model.safetensors.index.json` (sharded) or the `*.safetensors` files in it. `read(name,
-dim, start, stop)` reads only that slice from disk (`safe_open(...).get_slice`), so a rank
+dim, start, stop)` (and `read_box(name, [(start, stop) | None per dim])`) reads only that
+slice from disk (`safe_open(...).get_slice`), so a rank
 loads just its shard. Nothing is unpickled.
 
 Writes go to a temporary sibling and are moved into place with `os.replace`, so a crash
@@ -61,7 +62,9 @@ class SafetensorsDirSource:
         return self._handles[file]
 
     def keys(self) -> set[str]:
-        return set(self.weight_map)
+        if getattr(self, "_keys", None) is None:
+            self._keys = set(self.weight_map)  # asked once per MoE parameter: build once
+        return self._keys
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -70,7 +73,7 @@ class SafetensorsDirSource:
         if name not in self.weight_map:
             raise KeyError(
                 f"{self.path}: checkpoint has no tensor {name!r}; the rule: a "
-                "LlamaForCausalLM checkpoint matching its config.json; fix: check the files"
+                "Llama / Mixtral / Qwen2-MoE checkpoint matching its config.json; fix: check the files"
             )
         return self._open(self.weight_map[name]).get_slice(name)
 
@@ -82,6 +85,15 @@ class SafetensorsDirSource:
             return sl[:]
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(start, stop)
+        return sl[tuple(index)]
+
+    def read_box(self, name: str, box: list[tuple[int, int] | None]) -> torch.Tensor:
+        """Only the box `[start, stop)` per leading dim (None: whole) is read from disk."""
+        sl = self._slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        for dim, span in enumerate(box):
+            if span is not None:
+                index[dim] = slice(*span)
         return sl[tuple(index)]
 
     def close(self) -> None:

@@ -1,4 +1,6 @@
-"""Hugging Face Llama tensors <-> GPTModel parameters, as pure functions of the config.
+"""Hugging Face Llama / Mixtral / Qwen2-MoE tensors <-> GPTModel parameters, as pure
+functions of the config (the MoE layer's tensors: `moe_map`; attention, norms, embeddings
+and dense MLPs are the same in the three architectures).
 
 Global layer i (HF `model.layers.{i}`, ours `decoder.layers.{i}` of the full model):
 
@@ -31,6 +33,14 @@ from typing import Protocol
 import torch
 
 from ..config import TransformerConfig
+from .moe_map import (
+    default_expert_layout,
+    hf_arch,
+    moe_full_to_hf,
+    moe_hf_names,
+    moe_param_suffixes,
+    read_moe_shard,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -56,6 +66,10 @@ class TensorSource(Protocol):
         self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor: ...
 
+    def read_box(self, name: str, box: list[tuple[int, int] | None]) -> torch.Tensor:
+        """The slice `[start, stop)` per leading dim of `box` (None: the whole dim)."""
+        ...
+
 
 class DictSource:
     """A `TensorSource` over an in-memory state dict (slices are views)."""
@@ -75,12 +89,19 @@ class DictSource:
         stop = t.size(dim) if stop is None else stop
         return t.narrow(dim, start, stop - start)
 
+    def read_box(self, name: str, box: list[tuple[int, int] | None]) -> torch.Tensor:
+        t = _get(self.state_dict, name)
+        for dim, span in enumerate(box):
+            if span is not None:
+                t = t.narrow(dim, span[0], span[1] - span[0])
+        return t
+
 
 def _get(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in state_dict:
         raise KeyError(
-            f"Hugging Face state dict has no {name!r}; the rule: a LlamaForCausalLM "
-            "checkpoint matching the config; fix: check the checkpoint and its config.json"
+            f"Hugging Face state dict has no {name!r}; the rule: a Llama / Mixtral / "
+            "Qwen2-MoE state dict matching the config; fix: check the checkpoint and its config.json"
         )
     return state_dict[name]
 
@@ -92,8 +113,19 @@ def _part(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def hf_names_for(name: str, config: TransformerConfig) -> list[str]:
-    """The HF tensors parameter `name` (global layer index) is built from."""
+def _moe_suffix(suffix: str) -> str | None:
+    """`mlp.router.weight` -> `router.weight`; None for a dense-layer suffix."""
+    for part in ("router.", "experts.", "shared_experts."):
+        if suffix.startswith("mlp." + part):
+            return suffix[len("mlp.") :]
+    return None
+
+
+def hf_names_for(
+    name: str, config: TransformerConfig, expert_layout: str | None = None
+) -> list[str]:
+    """The HF tensors parameter `name` (global layer index) is built from (MoE experts in
+    `expert_layout`, default: the installed transformers')."""
     if name == "embedding.word_embeddings.weight":
         return [EMBED]
     if name == "output_layer.weight":
@@ -104,6 +136,10 @@ def hf_names_for(name: str, config: TransformerConfig) -> list[str]:
     if not m:
         raise KeyError(f"{name!r}: no Hugging Face Llama counterpart")
     layer, suffix = m.group(1), m.group(2)
+    moe = _moe_suffix(suffix)
+    if moe is not None:
+        layout = expert_layout or default_expert_layout()
+        return moe_hf_names(moe, hf_arch(config), int(layer), config, layout)
     pre = f"model.layers.{layer}."
     if suffix in _LAYER_DIRECT:
         return [pre + _LAYER_DIRECT[suffix]]
@@ -124,15 +160,37 @@ def read_shard(
     tp_size: int = 1,
     vocab_size: int,
     padded_vocab_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> torch.Tensor:
     """Tp rank `tp_rank`'s part of our parameter `name` (global layer index), read from HF.
+
+    MoE parameters (`mlp.router`, `mlp.experts`, `mlp.shared_experts`): see `moe_map`;
+    experts take (ep_rank, etp_rank)'s part (etp defaults to tp).
 
     Shapes (d = kv_channels, qpg = nq/ng, f = ffn_hidden_size, t = tp_size):
     vocab `[Vp/t, h]` (rows past V are zeros), qkv `[(nq+2ng) d / t, h]`,
     fc1 `[2f/t, h]` = cat([gate_r, up_r]), proj `[h, nq d / t]`, fc2 `[h, f/t]`, norms full.
     """
+    m = _LAYER.match(name)
+    suffix = m.group(2) if m else name
+    moe = _moe_suffix(suffix) if m else None
+    if moe is not None:
+        return read_moe_shard(
+            moe,
+            int(m.group(1)),
+            src,
+            config,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            etp_rank=tp_rank if etp_rank is None else etp_rank,
+            etp_size=tp_size if etp_size is None else etp_size,
+        )
     hf = hf_names_for(name, config)
-    suffix = _LAYER.match(name).group(2) if _LAYER.match(name) else name
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         start, stop = _part(padded_vocab_size, tp_rank, tp_size, "padded_vocab_size")
         rows = src.read(hf[0], 0, min(start, vocab_size), min(stop, vocab_size))
@@ -165,13 +223,20 @@ def read_shard(
 
 
 def full_to_hf(
-    full: dict[str, torch.Tensor], config: TransformerConfig, vocab_size: int
+    full: dict[str, torch.Tensor],
+    config: TransformerConfig,
+    vocab_size: int,
+    *,
+    expert_layout: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Full (tp=1) tensors with global layer names -> HF tensors (padding rows dropped).
+    """Full (tp=ep=1) tensors with global layer names -> HF tensors (padding rows dropped).
 
     Takes any subset (e.g. one pipeline stage's). Tied: `output_layer.weight`, if present,
-    gives `lm_head.weight` too, as `LlamaForCausalLM.state_dict()` lists it.
+    gives `lm_head.weight` too, as `LlamaForCausalLM.state_dict()` lists it. MoE experts
+    are written in `expert_layout` ("fused" | "per_expert"; None: the installed
+    transformers' in-memory layout, see `moe_map`).
     """
+    layout = expert_layout or default_expert_layout()
     out: dict[str, torch.Tensor] = {}
     d, qpg = config.kv_channels, config.num_attention_heads // config.num_query_groups
     ng = config.num_query_groups
@@ -184,8 +249,13 @@ def full_to_hf(
         if name == "output_layer.weight":
             out[LM_HEAD] = t[:vocab_size]
             continue
+        m = _LAYER.match(name)
+        suffix = m.group(2) if m else name
+        moe = _moe_suffix(suffix) if m else None
+        if moe is not None:
+            out.update(moe_full_to_hf(moe, int(m.group(1)), t, config, layout))
+            continue
         hf = hf_names_for(name, config)
-        suffix = _LAYER.match(name).group(2) if _LAYER.match(name) else name
         if suffix.startswith("self_attention.linear_qkv."):
             rest = t.shape[1:]
             grouped = t.reshape(ng, (qpg + 2) * d, *rest)
@@ -208,12 +278,12 @@ def chunk_param_names(
     layer_offset: int,
     num_layers: int,
 ) -> list[str]:
-    """Local state-dict names of one GPTModel chunk of a Llama-shaped config.
+    """Local state-dict names of one GPTModel chunk of a Llama / Mixtral / Qwen2-MoE config.
 
     (Checked against `GPTModel.state_dict()` in the tests; used where no model is built,
-    e.g. by the converter CLI.)
+    e.g. by the converter CLI.) `layer_offset` picks the chunk's MoE layers.
     """
-    del layer_offset  # names are local; kept for symmetry with global_param_name
+    moe_layers = config.moe_layer_pattern()
     bias = config.add_bias_linear
     per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
     if bias or config.add_qkv_bias:
@@ -221,14 +291,14 @@ def chunk_param_names(
     per_layer.append("self_attention.linear_proj.weight")
     if bias:
         per_layer.append("self_attention.linear_proj.bias")
-    per_layer += ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight"]
-    if bias:
-        per_layer.append("mlp.linear_fc1.bias")
-    per_layer.append("mlp.linear_fc2.weight")
-    if bias:
-        per_layer.append("mlp.linear_fc2.bias")
+    per_layer.append("pre_mlp_layernorm.weight")
+    dense = ["mlp.linear_fc1.weight"] + (["mlp.linear_fc1.bias"] if bias else [])
+    dense += ["mlp.linear_fc2.weight"] + (["mlp.linear_fc2.bias"] if bias else [])
+    moe = ["mlp." + s for s in moe_param_suffixes(config)] if config.is_moe else []
     names = ["embedding.word_embeddings.weight"] if pre_process else []
-    names += [f"decoder.layers.{i}.{s}" for i in range(num_layers) for s in per_layer]
+    for i in range(num_layers):
+        mlp = moe if moe_layers[layer_offset + i] else dense
+        names += [f"decoder.layers.{i}.{s}" for s in per_layer + mlp]
     if post_process:
         names.append("decoder.final_layernorm.weight")
         tied_here = pre_process and config.share_embeddings_and_output_weights
@@ -237,12 +307,12 @@ def chunk_param_names(
     return names
 
 
-def hf_keys_expected(config: TransformerConfig) -> list[str]:
-    """Every tensor a LlamaForCausalLM checkpoint of `config` holds (tied: no lm_head)."""
+def hf_keys_expected(config: TransformerConfig, expert_layout: str | None = None) -> list[str]:
+    """Every tensor a HF checkpoint of `config` holds (tied: no lm_head)."""
     names = chunk_param_names(
         config, pre_process=True, post_process=True, layer_offset=0, num_layers=config.num_layers
     )
     keys: list[str] = []
     for n in names:
-        keys += hf_names_for(n, config)
+        keys += hf_names_for(n, config, expert_layout)
     return list(dict.fromkeys(keys))
