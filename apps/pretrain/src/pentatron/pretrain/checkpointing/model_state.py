@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pentatron.optim.dcp_chunks import GlobalChunks
 from pentatron.parallel_state import ProcessGrid
@@ -24,17 +23,29 @@ PREFIX = "model/"
 def iter_param_rects(
     chunks: Sequence[Any], grid: ProcessGrid
 ) -> Iterator[tuple[torch.nn.Parameter, list[Rect]]]:
-    """Every trainable param of this rank's chunks with its rectangles."""
+    """Every trainable param of this rank's chunks with its rectangles (`Rect.writer`
+    already says whether this rank writes it: one writer per value, see `rectangles`)."""
     tp_rank, tp_size = grid.rank("tp"), grid.size("tp")
     for chunk in chunks:
-        info = shard_info(chunk, tp_rank, tp_size)
+        info = shard_info(chunk, tp_rank, tp_size, grid)
         model = getattr(chunk, "module", chunk)
         for name, p in model.named_parameters():
-            if getattr(p, "allreduce", True) is False:
-                raise NotImplementedError(
-                    f"{name}: expert params are not supported by the checkpoint format yet"
-                )
             yield p, param_rects(name, tuple(p.shape), info)
+
+
+def iter_buffer_rects(
+    chunks: Sequence[Any], grid: ProcessGrid
+) -> Iterator[tuple[torch.Tensor, list[Rect]]]:
+    """Persistent buffers (in the state dict, not params: e.g. MoE routers' expert_bias),
+    replicated over tp and dp like norms."""
+    tp_rank, tp_size = grid.rank("tp"), grid.size("tp")
+    for chunk in chunks:
+        info = shard_info(chunk, tp_rank, tp_size, grid)
+        model = getattr(chunk, "module", chunk)
+        persistent = set(model.state_dict(keep_vars=True))
+        for name, b in model.named_buffers():
+            if name in persistent and b.is_floating_point():
+                yield b, param_rects(name, tuple(b.shape), info)
 
 
 def add_rect(sd: dict[str, Any], prefix: str, rect: Rect, tensor: torch.Tensor) -> None:
@@ -45,18 +56,15 @@ def add_rect(sd: dict[str, Any], prefix: str, rect: Rect, tensor: torch.Tensor) 
     entry.add(rect.offsets, tensor[rect.local])
 
 
-def is_dp_writer(chunk: Any) -> bool:
-    """Replicas over dp hold equal params: only the group's first rank writes."""
-    return dist.get_rank(chunk.dp_group) == 0
+def _all_rects(chunks, grid):
+    yield from iter_param_rects(chunks, grid)
+    yield from iter_buffer_rects(chunks, grid)
 
 
 def model_save_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, Any]:
     """`{model/<key>: GlobalChunks}` of the rectangles this rank writes."""
     sd: dict[str, Any] = {}
-    writer = all(is_dp_writer(c) for c in chunks)
-    if not writer:
-        return sd
-    for p, rects in iter_param_rects(chunks, grid):
+    for p, rects in _all_rects(chunks, grid):
         for rect in rects:
             if rect.writer:
                 add_rect(sd, PREFIX, rect, p.detach())
@@ -70,7 +78,7 @@ def model_load_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, An
     Zeroes the params first, so rows no rectangle covers (vocabulary padding) end as zeros.
     """
     sd: dict[str, Any] = {}
-    for p, rects in iter_param_rects(chunks, grid):
+    for p, rects in _all_rects(chunks, grid):
         p.data.zero_()
         for rect in rects:
             add_rect(sd, PREFIX, rect, p.data)

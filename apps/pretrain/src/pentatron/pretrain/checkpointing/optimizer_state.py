@@ -6,8 +6,8 @@ count, a scalar shared by all params); `<key>` as in `rectangles`. Param-group
 hyperparameters and the loss scaler are small JSON (`common_state`).
 
 With the distributed optimizer a dp rank holds flat pieces `[a, b)` of each param. Save:
-per grad buffer, `flat[n]` (zeros outside this rank's pieces) -> all-reduce(dp) ->
-every param's full tp shard, written by dp rank 0. Load: every rank reads its full tp
+per grad buffer, `flat[n]` (zeros outside this rank's pieces) -> all-reduce(dp, or edp for
+the expert buffers) -> every param's full tp shard, written by dp (edp) rank 0. Load: every rank reads its full tp
 shards and keeps the pieces it owns under the new layout.
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pentatron.optim import MixedPrecisionOptimizer
 from pentatron.parallel_state import ProcessGrid, comm
 
-from .model_state import add_rect, is_dp_writer, iter_param_rects
+from .model_state import add_rect, iter_param_rects
 
 PREFIX = "optim/"
 STEP_KEY = PREFIX + "step"
@@ -96,8 +96,6 @@ def optimizer_save_entries(
     sd: dict[str, Any] = {}
     if dist.get_rank() == 0:
         sd[STEP_KEY] = step
-    if not all(is_dp_writer(c) for c in chunks):
-        return sd
     for p, rects in iter_param_rects(chunks, grid):
         for rect in rects:
             if rect.writer:

@@ -12,8 +12,13 @@ or two rectangles of it (see `pentatron.models.sharding` for the split rules):
 |                        |                              | each at row `r f/t`                   |
 | vocab (dim 0, padded)  | `[V_pad/t, h]`               | real rows only: global `[V, h]`       |
 
+| expert `[E/ep, ...]`   | ep rank e, etp split as above | offset `e E/ep` on dim 0, then the   |
+|                        |                              | etp split like tp (gate/up for fc1)  |
+
 The tied `output_layer.weight` of the last stage (pp > 1) is a copy of the embedding: it
-maps to the embedding's rectangles and is never written.
+maps to the embedding's rectangles and is never written. Who writes a rectangle: dense
+tensors dp rank 0 (and tp rank 0 if replicated over tp), expert tensors edp rank 0 (and
+etp rank 0 if replicated over etp): exactly one writer per value.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ class ShardInfo:
     vocab_size: int
     padded_vocab_size: int
     tied_output: bool  # `output_layer.weight` is the embedding's copy
+    dp_writer: bool = True  # dp rank 0: writes the dense tensors of its tp shard
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    edp_writer: bool = True  # edp rank 0: writes the expert tensors of its (ep, etp) shard
 
 
 def _split(key, shape, dim, rank, size, start, stop, writer) -> Rect:
@@ -75,31 +86,59 @@ def _vocab_rect(key: str, shape: tuple[int, ...], info: ShardInfo, writer: bool)
 def param_rects(local_name: str, shape: tuple[int, ...], info: ShardInfo) -> list[Rect]:
     """The rectangles of one local param of shard shape `shape` (see the module table)."""
     name = global_param_name(local_name, info.layer_offset)
-    writer = True
+    writer = info.dp_writer
     if name == "output_layer.weight" and info.tied_output:
         name, writer = EMBEDDING, False
     rule = param_sharding(name, info.config)
     if rule.vocab:
         return _vocab_rect(name, shape, info, writer)
+    if rule.expert:
+        rects = _tp_rects(name, shape, rule, info.etp_rank, info.etp_size, info.edp_writer)
+        return [_on_expert_rank(rect, info) for rect in rects]
+    return _tp_rects(name, shape, rule, info.tp_rank, info.tp_size, writer)
+
+
+def _tp_rects(name, shape, rule, r: int, t: int, writer: bool) -> list[Rect]:
+    """Rectangles of a shard split over `t` ranks (rank `r`) by `rule` (dim, stride)."""
     if rule.dim is None:
         full = tuple(slice(None) for _ in shape)
-        return [Rect(name, shape, (0,) * len(shape), full, writer and info.tp_rank == 0)]
-    t, r, n = info.tp_size, info.tp_rank, shape[rule.dim]
+        return [Rect(name, shape, (0,) * len(shape), full, writer and r == 0)]
+    n = shape[rule.dim]
     if rule.stride == 1:
         return [_split(name, shape, rule.dim, r, t, 0, n, writer)]
-    if rule.stride != 2 or rule.dim != 0:
+    if rule.stride != 2:
         raise NotImplementedError(f"{name}: stride {rule.stride} on dim {rule.dim}")
     half = n // 2
     return [
-        _split(f"{name}/gate", shape, 0, r, t, 0, half, writer),
-        _split(f"{name}/up", shape, 0, r, t, half, n, writer),
+        _split(f"{name}/gate", shape, rule.dim, r, t, 0, half, writer),
+        _split(f"{name}/up", shape, rule.dim, r, t, half, n, writer),
     ]
 
 
-def shard_info(chunk, tp_rank: int, tp_size: int) -> ShardInfo:
-    """`ShardInfo` of a GPTModel chunk (or a DDP wrapper of one)."""
+def _on_expert_rank(rect: Rect, info: ShardInfo) -> Rect:
+    """Place an expert shard's rectangle among all experts: dim 0 grows by ep."""
+    local_experts = rect.global_shape[0]
+    gshape = (local_experts * info.ep_size, *rect.global_shape[1:])
+    offsets = (info.ep_rank * local_experts, *rect.offsets[1:])
+    return Rect(rect.key, gshape, offsets, rect.local, rect.writer)
+
+
+def shard_info(chunk, tp_rank: int, tp_size: int, grid=None) -> ShardInfo:
+    """`ShardInfo` of a GPTModel chunk (or a DDP wrapper of one); `grid` gives the ep/etp
+    position and which dp / edp rank writes (None: one process, it writes everything)."""
     model = getattr(chunk, "module", chunk)
+    expert = {}
+    if grid is not None:
+        expert = dict(
+            dp_writer=grid.rank("dp") == 0,
+            ep_rank=grid.rank("ep"),
+            ep_size=grid.size("ep"),
+            etp_rank=grid.rank("etp"),
+            etp_size=grid.size("etp"),
+            edp_writer=grid.rank("edp") == 0,
+        )
     return ShardInfo(
+        **expert,
         config=model.config,
         layer_offset=model.layer_offset,
         tp_rank=tp_rank,

@@ -3,7 +3,7 @@
 Megatron seeds each pipeline stage differently, so the same seed gives different weights
 at pp=1 and pp=2, and runs at two layouts cannot be compared. Here each random parameter
 is drawn as its full (tp=1) tensor from a generator seeded by (seed, global parameter
-name), then cut to this rank's tp shard: the weights depend on the seed and the model only.
+name), then cut to this rank's tp shard (experts: its ep experts and etp shard): the weights depend on the seed and the model only.
 The cost is one full tensor per parameter at start-up (as Megatron's
 --use-cpu-initialization). Norm weights and biases keep their constant init.
 """
@@ -28,13 +28,17 @@ def _std(name: str, config: TransformerConfig) -> float:
     return config.init_method_std
 
 
-def _full_shape(name: str, local: torch.Size, model, tp: int) -> list[int]:
-    rule = param_sharding(name, model.config)
+def _full_shape(name: str, local: torch.Size, model) -> list[int]:
+    rule, par = param_sharding(name, model.config), model.parallel
     shape = list(local)
     if rule.vocab:
         shape[0] = model.vocab_size  # padding rows are zeros (added by shard_full_tensor)
+    elif rule.expert:  # [E/ep, ...] split over etp on rule.dim
+        shape[0] *= par.ep_size
+        if rule.dim is not None:
+            shape[rule.dim] *= par.etp_size
     elif rule.dim is not None:
-        shape[rule.dim] *= tp
+        shape[rule.dim] *= par.tp_size
     return shape
 
 
@@ -52,7 +56,7 @@ def init_weights_layout_independent(model, seed: int) -> None:
             else name
         )
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-        shape = _full_shape(name, param.shape, model, par.tp_size)
+        shape = _full_shape(name, param.shape, model)
         full = torch.randn(shape, generator=gen, dtype=torch.float32) * _std(key, config)
         part = shard_full_tensor(
             name,
@@ -61,5 +65,9 @@ def init_weights_layout_independent(model, seed: int) -> None:
             par.tp_size,
             config=config,
             padded_vocab_size=model.padded_vocab_size,
+            ep_rank=par.rank("ep"),
+            ep_size=par.ep_size,
+            etp_rank=par.rank("etp"),
+            etp_size=par.etp_size,
         )
         param.copy_(part.to(param.dtype))
