@@ -56,7 +56,7 @@ from .te_spec import HAVE_TE
 from .transformer_block import TransformerBlock, get_layer_offset, get_num_layers_to_build
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "GroupedMLP",
