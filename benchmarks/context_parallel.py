@@ -6,7 +6,7 @@ For cp in {1, 2, 4} and each cp_comm_type, one SelfAttention (fused QKV, RoPE, c
 attention, output projection; GQA) runs forward on this rank's s/cp tokens while a
 `torch.autograd.graph.saved_tensors_hooks` pair sums the bytes of every distinct tensor
 autograd saves for backward. The ratio cp=1 / cp should be about cp: every saved tensor is
-`[s/cp, ...]`, except all_gather's gathered K/V (the full sequence, so it falls less).
+`[s/cp, ...]` (all_gather keeps only the local K/V and gathers them again in backward).
 Counts, not seconds: the result is the same on any machine.
 
 This module imports nothing from benchmarks/ so the harness can load it by file path.

@@ -230,7 +230,8 @@ def test_ledger(runs, cp, kind, s):
             assert sends == [("send", kv)] * (2 * (cp - 1))  # K/V and dK/dV per step
         elif kind == "all_gather":
             assert led["fwd"] == [("all_gather", kv)]
-            assert led["bwd"] == [("reduce_scatter", kv * cp)]
+            # backward gathers K|V again (not saved: 1/cp memory), then scatters dK|dV
+            assert led["bwd"] == [("all_gather", kv), ("reduce_scatter", kv * cp)]
         else:
             # q, k, v in and the output back: each all-to-all carries one [s/cp] tensor
             want = [("all_to_all", q), ("all_to_all", kv // 2), ("all_to_all", kv // 2)]

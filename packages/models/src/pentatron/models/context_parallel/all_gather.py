@@ -1,9 +1,16 @@
 """All-gather attention (cp_comm_type="all_gather"): every rank gathers the whole K/V.
 
-    k, v [s/cp, b, g, d] -> cat along d -> all-gather(cp) -> [s, b, g, 2d] (rank-major shards)
-    backward: reduce-scatter(cp) of the K/V grads
-The causal mask is built from the global positions of the load-balanced chunks, so the
-gathered K/V need no reordering.
+    k, v [s/cp, b, g, d] -> cat along d -> all-gather(cp) -> [s, b, g, 2d] (rank-major)
+    forward: this rank's queries attend to each cp rank's K/V pair in turn (diag, lower or
+             upper block of the load-balanced layout, see softmax_merge.pair_case), merged
+             by online softmax; no [s/cp, s] mask is built.
+    saved:   q, the LOCAL k and v, out (fp32) and lse: all `[s/cp, ...]`, so the saved
+             activations fall by cp like the ring's.
+    backward: all-gather(cp) of K|V again, dq and the full dK|dV [s, b, g, 2d] from the
+             saved lse, then reduce-scatter(cp) of dK|dV.
+The extra all-gather in backward buys the 1/cp memory: keeping the gathered K/V would save
+a full-sequence tensor per layer. Megatron / Transformer Engine make the same trade when
+they do not keep the gathered KV.
 """
 
 from __future__ import annotations
@@ -12,50 +19,72 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pentatron.parallel_state import comm
 
-from .sharding import cp_positions
+from .softmax_merge import pair_case, pair_forward, pair_grads
 
 
-class _GatherSeq(torch.autograd.Function):
-    """`[s/cp, ...]` -> all-gather(cp) -> `[s, ...]` (rank-major); backward reduce-scatter."""
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+    """k, v `[s/cp, b, g, d]` -> all-gather(cp) -> `[cp, 2, b, g, s/cp, d]` (per rank's pair)."""
+    n = dist.get_world_size(group)
+    kv = torch.cat([k, v], dim=-1).contiguous()  # one packed collective for K and V
+    out = kv.new_empty((n * kv.size(0), *kv.shape[1:]))
+    comm.all_gather_into_tensor(out, kv, group=group)
+    s_local, d = k.size(0), k.size(-1)
+    # [cp, s/cp, b, g, 2, d] -> [cp, 2, b, g, s/cp, d]
+    return out.view(n, s_local, *k.shape[1:3], 2, d).permute(0, 4, 2, 3, 1, 5)
+
+
+def _reduce_scatter_kv(dkv: torch.Tensor, dtype: torch.dtype, group: Any):
+    """dK|dV `[cp, 2, b, g, s/cp, d]` -> reduce-scatter(cp) -> dk, dv `[s/cp, b, g, d]`."""
+    n, _, b, g, s_local, d = dkv.shape
+    packed = dkv.permute(0, 4, 2, 3, 1, 5).reshape(n * s_local, b, g, 2 * d)
+    packed = packed.to(dtype).contiguous()  # the wire carries the grads in the input dtype
+    out = packed.new_empty((s_local, b, g, 2 * d))
+    comm.reduce_scatter_tensor(out, packed, group=group)
+    return out[..., :d], out[..., d:]
+
+
+def _order(rank: int, n: int) -> list[int]:
+    """Own pair first: the causal diagonal starts the online-softmax result."""
+    return [rank, *(j for j in range(n) if j != rank)]
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[b, n, s/cp, d]` (causal)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, n = group, dist.get_world_size(group)
-        x = x.contiguous()
-        out = x.new_empty((n * x.size(0), *x.shape[1:]))
-        comm.all_gather_into_tensor(out, x, group=group)
-        return out
+    def forward(ctx, q, k, v, scale: float, group: Any, cp_rank: int):
+        kv = _gather_kv(k, v, group)
+        qb = q.permute(1, 2, 0, 3)
+        out = lse = None
+        for j in _order(cp_rank, kv.size(0)):
+            case = pair_case(j, cp_rank)
+            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)  # all [s/cp]: not the gathered kv
+        ctx.scale, ctx.group, ctx.cp_rank = scale, group, cp_rank
+        return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        n = dist.get_world_size(ctx.group)
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.size(0) // n, *grad.shape[1:]))
-        comm.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
-
-
-def gather_positions(local_len: int, cp_size: int) -> torch.Tensor:
-    """Global positions `[s]` of the rank-major gathered sequence."""
-    s = local_len * cp_size
-    return torch.cat([cp_positions(s, cp_size, r) for r in range(cp_size)])
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        kv = _gather_kv(k, v, ctx.group).float()  # recompute the gather, not saved
+        qb, dout = q.permute(1, 2, 0, 3), dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(qb, dtype=torch.float32)
+        dkv = torch.zeros_like(kv)
+        for j in range(kv.size(0)):
+            case = pair_case(j, ctx.cp_rank)
+            dq_p, dkv_p, qrows, kvrows = pair_grads(
+                case, qb, kv[j, 0], kv[j, 1], lse, dout, delta, ctx.scale
+            )
+            dq[:, :, qrows] += dq_p
+            dkv[j, :, :, :, kvrows] += dkv_p
+        dk, dv = _reduce_scatter_kv(dkv, k.dtype, ctx.group)
+        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, None, None, None
 
 
 def all_gather_attention(q, k, v, scale: float, group: Any, cp_rank: int) -> torch.Tensor:
     """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[b, n, s/cp, d]` (causal)."""
-    cp, d = dist.get_world_size(group), k.size(-1)
-    kv = _GatherSeq.apply(torch.cat([k, v], dim=-1), group)  # [s, b, g, 2d]
-    k_all, v_all = kv[..., :d], kv[..., d:]
-    s_local = q.size(0)
-    q_pos = cp_positions(s_local * cp, cp, cp_rank, device=q.device)
-    k_pos = gather_positions(s_local, cp).to(q.device)
-    allowed = k_pos[None, :] <= q_pos[:, None]  # [s/cp, s]
-    q, k_all, v_all = (x.permute(1, 2, 0, 3) for x in (q, k_all, v_all))
-    # enable_gqa reads each group's K/V for its heads: no [b, n, s, d] repeated copies saved
-    return F.scaled_dot_product_attention(
-        q, k_all, v_all, attn_mask=allowed, scale=scale, enable_gqa=q.size(1) != k_all.size(1)
-    )
+    return AllGatherAttention.apply(q, k, v, scale, group, cp_rank)

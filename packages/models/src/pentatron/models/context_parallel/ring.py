@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
-from .softmax_merge import block_backward, block_forward, merge
+from .softmax_merge import pair_case, pair_forward, pair_grads
 
 
 class _Ring:
@@ -47,13 +47,8 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _case(step: int, src: int, rank: int) -> str:
-    return "diag" if step == 0 else ("lower" if src < rank else "upper")
-
-
 def _ring_forward(q, k, v, scale: float, ring: _Ring):
     """-> out `[b, n, 2L, d]` fp32, lse `[b, n, 2L]`."""
-    half = q.size(2) // 2
     kv = torch.stack([k, v])
     out = lse = None
     for step in range(ring.size):
@@ -61,48 +56,15 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring):
         if step < ring.size - 1:
             nxt, works = ring.exchange(kv)
         src = (ring.rank - step) % ring.size
-        case = _case(step, src, ring.rank)
-        if case == "diag":
-            out, lse = block_forward(q, kv[0], kv[1], scale, causal=True)
-        elif case == "lower":
-            o, s = block_forward(q, kv[0][:, :, :half], kv[1][:, :, :half], scale, False)
-            out, lse = merge(out, lse, o, s)
-        else:
-            o, s = block_forward(q[:, :, half:], kv[0], kv[1], scale, False)
-            o2, s2 = merge(out[:, :, half:], lse[:, :, half:], o, s)
-            out, lse = torch.cat([out[:, :, :half], o2], 2), torch.cat([lse[:, :, :half], s2], 2)
+        out, lse = pair_forward(pair_case(src, ring.rank), q, kv[0], kv[1], scale, out, lse)
         _wait(works)
         if step < ring.size - 1:
             kv = nxt
     return out, lse
 
 
-def _block_grads(case, q, kv, lse, dout, delta, scale, half):
-    """(dq part, dkv part, which q rows, which kv rows) of one ring step."""
-    if case == "diag":
-        dq, dk, dv = block_backward(q, kv[0], kv[1], lse, dout, delta, scale, True)
-        return dq, torch.stack([dk, dv]), slice(None), slice(None)
-    if case == "lower":
-        k, v = kv[0][:, :, :half], kv[1][:, :, :half]
-        dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, False)
-        return dq, torch.stack([dk, dv]), slice(None), slice(0, half)
-    rows = slice(half, None)
-    dq, dk, dv = block_backward(
-        q[:, :, rows],
-        kv[0],
-        kv[1],
-        lse[:, :, rows],
-        dout[:, :, rows],
-        delta[:, :, rows],
-        scale,
-        False,
-    )
-    return dq, torch.stack([dk, dv]), rows, slice(None)
-
-
 def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
     """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32)."""
-    half = q.size(2) // 2
     dout = dout.float()
     delta = (dout * out).sum(-1)
     kv = torch.stack([k.float(), v.float()])
@@ -114,8 +76,8 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
         if step < ring.size - 1:
             nxt, works = ring.exchange(kv)
         src = (ring.rank - step) % ring.size
-        case = _case(step, src, ring.rank)
-        dq_p, dkv_p, qrows, kvrows = _block_grads(case, q, kv, lse, dout, delta, scale, half)
+        case = pair_case(src, ring.rank)
+        dq_p, dkv_p, qrows, kvrows = pair_grads(case, q, kv[0], kv[1], lse, dout, delta, scale)
         dq[:, :, qrows] += dq_p
         if step == 0:
             own += dkv_p

@@ -69,3 +69,46 @@ def block_backward(
     dq = torch.matmul(ds, kr) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     return dq, _fold(dk, rep), _fold(dv, rep)
+
+
+# Load-balanced chunk pairs. A cp rank holds chunks (r, 2cp-1-r) as `[.., 2L, ..]`; against
+# the K/V pair of cp rank src, causality leaves one of three block shapes:
+# - "diag" (src == r): the causal diagonal on the concatenated 2L positions;
+# - "lower" (src < r): every query sees only src's first chunk;
+# - "upper" (src > r): only the second-half queries see src's chunks (all of them).
+def pair_case(src: int, rank: int) -> str:
+    """Which of "diag", "lower", "upper" the K/V pair of cp rank `src` is for `rank`."""
+    return "diag" if src == rank else ("lower" if src < rank else "upper")
+
+
+def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None):
+    """Fold the K/V pair k/v `[b, g, 2L, d]` into (out, lse) of q `[b, n, 2L, d]`.
+
+    "diag" starts the result (out/lse None); the others merge into it.
+    """
+    half = q.size(2) // 2
+    if case == "diag":
+        return block_forward(q, k, v, scale, causal=True)
+    if case == "lower":
+        o, s = block_forward(q, k[:, :, :half], v[:, :, :half], scale, False)
+        return merge(out, lse, o, s)
+    o, s = block_forward(q[:, :, half:], k, v, scale, False)
+    o2, s2 = merge(out[:, :, half:], lse[:, :, half:], o, s)
+    return torch.cat([out[:, :, :half], o2], 2), torch.cat([lse[:, :, :half], s2], 2)
+
+
+def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float):
+    """(dq part, dK|dV part `[2, b, g, ., d]`, q rows, kv rows) of one K/V pair."""
+    half = q.size(2) // 2
+    if case == "diag":
+        dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, True)
+        return dq, torch.stack([dk, dv]), slice(None), slice(None)
+    if case == "lower":
+        kh, vh = k[:, :, :half], v[:, :, :half]
+        dq, dk, dv = block_backward(q, kh, vh, lse, dout, delta, scale, False)
+        return dq, torch.stack([dk, dv]), slice(None), slice(0, half)
+    r = slice(half, None)
+    dq, dk, dv = block_backward(
+        q[:, :, r], k, v, lse[:, :, r], dout[:, :, r], delta[:, :, r], scale, False
+    )
+    return dq, torch.stack([dk, dv]), r, slice(None)
