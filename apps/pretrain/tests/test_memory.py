@@ -195,3 +195,46 @@ def test_hf_config_and_plot(tmp_path, capsys):
 def test_bad_input_is_a_clear_error(argv, needle, capsys):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+MOE_SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "30",
+    "--micro-batch-size",
+    "2",
+    "--world-size",
+    "2",
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "64",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+]
+
+
+@pytest.mark.parametrize(
+    "extra,want_rows",
+    [
+        ([], 60 * 2),  # no capacity: every one of T = 60 tokens goes to exactly k = 2 experts
+        # cf 0.5: C = ceil(60 * 2 * 0.5 / 8) = 8 per expert; dropping keeps at most 8 * 8
+        (["--moe-expert-capacity-factor", "0.5"], 8 * 8),
+        # cf 2 padded to capacity: C = ceil(60 * 2 * 2 / 8) = 30, every expert gets 30 rows
+        (["--moe-expert-capacity-factor", "2", "--moe-pad-expert-input-to-capacity"], 8 * 30),
+    ],
+)
+def test_moe_routed_rows_use_topk_or_the_capacity_bound(extra, want_rows):
+    from pentatron.pretrain.memory.activations import _routed_rows
+
+    plan, _ = build_plan(MOE_SMALL + extra)
+    assert _routed_rows(plan, 30 * 2) == (want_rows, want_rows)

@@ -90,7 +90,8 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
     f1 = ffn * (2 if c.gated_linear_unit else 1)
     mlp = e * sb * f1 // t + e * sb * ffn // t * (2 if c.gated_linear_unit else 1)
     if is_moe:
-        mlp, out.moe_dispatch = _moe_terms(plan, s_, b, e)
+        mlp, out.moe_dispatch, correction = _moe_terms(plan, s_, b, e)
+        out.mlp_norm += correction
     out.mlp = mlp
     return out
 
@@ -99,8 +100,11 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     """(QKV/RoPE/SDPA-input bytes, core-attention bytes). RoPE's multiplies keep only
     cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
     unless GQA repeats them (then the repeats are kept instead); q is a copy with RoPE or
-    GQA. Selective recompute keeps the checkpoint's inputs q, k, v (before any repeat)."""
+    GQA. Selective recompute keeps the checkpoint's inputs q, k, v (before any repeat).
+    With cp > 1 see `_cp_attention_terms`."""
     c = plan.config
+    if plan.cp > 1:
+        return _cp_attention_terms(plan, sb, b, e, nq, ng, d)
     rope, gqa = c.position_embedding_type == "rope", nq != ng
     selective = c.recompute_granularity == "selective"
     att = e * sb * nq * d if (rope or gqa) else 0
@@ -112,23 +116,80 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     return att, core
 
 
-def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int]:
-    """Routed tokens: each of s'b tokens goes to k experts (times the capacity factor when
-    dropping); the expert MLP keeps fc1/act per routed token, the dispatcher keeps the
-    permuted tokens `e h` and the router its fp32 probs `4 E`. An estimate (not measured)."""
+def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
+    """Context-parallel attention over this rank's s/cp tokens (sb = s/cp * b):
+    - p2p (ring) and all_gather: the autograd function keeps q, local k, v (as without
+      cp: the QKV output and RoPE's q, k copies), its fp32 merged output `4 sb nq d` and
+      fp32 log-sum-exp `4 b nq s/cp`; linear_proj keeps its own contiguous copy of the
+      output `e sb nq d`. K/V of other ranks are re-received in backward, not kept;
+    - a2a (Ulysses): q, k, v are exchanged to all s and nq/cp heads and re-ordered, so
+      RoPE's outputs and the QKV output are not kept; SDPA keeps q, k, v (k, v repeated
+      to nq/cp with GQA), its output, log-sum-exp, and the two int64 orderings `16 s`;
+      linear_proj keeps the exchanged-back output `e sb nq d`.
+    Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute with cp is
+    not measured (sized as without it)."""
+    c, cp = plan.config, plan.cp
+    rope = c.position_embedding_type == "rope"
+    lse = 4 * nq * sb
+    if c.cp_comm_type == "a2a":
+        core = 4 * e * sb * nq * d + lse + 16 * sb // b * cp  # q, k, v, out: nq/cp heads
+        return 0, core + e * sb * nq * d
+    att = e * sb * (nq + 2 * ng) * d + (e * sb * (nq + ng) * d if rope else 0)
+    return att, 4 * sb * nq * d + lse + e * sb * nq * d
+
+
+def _routed_rows(plan: MemoryPlan, tokens: int) -> tuple[int, int]:
+    """(rows one rank's dispatcher permutes, rows its experts see) for `tokens` local
+    tokens. Without a capacity factor a token goes to exactly k experts, so T*k rows leave
+    a rank and, summed over the ep group, T*k*ep arrive: per rank T*k on average (the split
+    is data-dependent). allgather permutes the etp*ep group's tokens for its E/ep experts:
+    etp*T*k on average. With a capacity factor the bound E*C (C = ceil(T*k/E * cf)) is
+    used instead: padded inputs fill it, dropping only stays under it."""
     c = plan.config
-    k, f = c.moe_router_topk, c.moe_ffn_size
-    tokens = s_ * b * k * (c.moe_expert_capacity_factor or 1.0)
-    f_local = f // plan.etp
-    per_token = e * f_local * (2 if c.gated_linear_unit else 1) + e * f_local * (
-        2 if c.gated_linear_unit else 1
-    )
-    mlp = int(tokens * per_token)
-    if c.moe_shared_expert_intermediate_size:
-        fs = c.moe_shared_expert_intermediate_size // plan.tp
-        mlp += e * plan.seq_length // plan.cp * b * fs * (4 if c.gated_linear_unit else 2)
-    dispatch = int(tokens * e * c.hidden_size) + 4 * s_ * b * c.num_moe_experts
-    return mlp, dispatch
+    k, n_exp = c.moe_router_topk, c.num_moe_experts
+    routed = tokens * k
+    if c.moe_expert_capacity_factor is not None:
+        cap = -(-tokens * k * c.moe_expert_capacity_factor // n_exp)
+        routed = int(
+            min(routed, n_exp * cap) if not c.moe_pad_expert_input_to_capacity else n_exp * cap
+        )
+    expert_rows = routed * plan.etp
+    if c.moe_token_dispatcher_type == "allgather":
+        return expert_rows, expert_rows
+    return routed, expert_rows
+
+
+def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int]:
+    """(expert MLP bytes, router + dispatcher bytes, norm-output correction) of one MoE
+    layer over T = s'b local tokens, N permuted rows, M expert rows (`_routed_rows`):
+    - router: top-k indices `8 Tk`, softmax of the top-k `4 Tk`; in 16-bit the fp32 casts
+      of its input `4 Th` and weight `4 Eh`, and then the norm's 16-bit output is kept only
+      by a shared expert (correction `-e Th` without one);
+    - dispatcher: permute's indices `8 N`; unpermute's per-row weights `4 N`, its input and
+      the weighted rows `2 e N h`, and the (local-expert slice of the) probs `4 E'R` and
+      routing map `E'R` with R rows routed (alltoall: T, E' = E; allgather: etp*ep*T,
+      E' = E/ep);
+    - experts: their input `e M h`, fc1 output `e M F1/etp`, activation `e M F/etp`
+      (SwiGLU: silu(gate) and its product, `2 e M F/etp`);
+    - shared experts: a dense MLP of width F_s over tp."""
+    c, h = plan.config, plan.config.hidden_size
+    k, n_exp, t = c.moe_router_topk, c.num_moe_experts, s_ * b
+    rows, m = _routed_rows(plan, t)
+    glu = 2 if c.gated_linear_unit else 1
+    f = c.moe_ffn_size // plan.etp
+    mlp = e * m * (h + f * glu + f * glu)
+    shared = c.moe_shared_expert_intermediate_size
+    if shared:
+        s_full = plan.seq_length // plan.cp
+        mlp += e * s_full * b * (shared // plan.tp) * 2 * glu
+    router = 12 * t * k + (4 * t * h + 4 * n_exp * h if e != 4 else 0)
+    if c.moe_token_dispatcher_type == "allgather":
+        r, n_local = plan.etp * plan.ep * t, n_exp // plan.ep
+    else:
+        r, n_local = t, n_exp
+    dispatch = 12 * rows + 2 * e * rows * h + 5 * n_local * r
+    correction = -e * t * h if (e != 4 and not shared) else 0
+    return mlp, router + dispatch, correction
 
 
 def _pos_batch(plan: MemoryPlan, first: bool) -> int:
@@ -148,7 +209,11 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
         out.rope = 2 * 4 * s * _pos_batch(plan, first) * c.rotary_dim
     if first:
         # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask
-        out.embedding = (8 + 1) * b * s if t > 1 else 4 * 8 * b * plan.seq_length
+        # cp > 1 (tp = 1): the rank's int64 slice of the tokens `8 bs`
+        if t > 1:
+            out.embedding = (8 + 1) * b * s
+        else:
+            out.embedding = 8 * b * s if plan.cp > 1 else 4 * 8 * b * plan.seq_length
     stored = _stored_layers(plan, len(layers))
     for i, layer in enumerate(layers):
         if i in stored:

@@ -8,8 +8,9 @@
 Takes pentatron-pretrain's flags and `--config file.yaml` (the app's parser and
 `validate_args`, so an impossible layout fails with the app's message), or a `--preset` /
 `--hf-config` for the model, whose values the explicit flags override. MoE and context
-parallelism, which the app does not train yet, are sized here: `--num-experts`,
-`--expert-model-parallel-size`, `--context-parallel-size` are checked by TransformerConfig.
+parallelism take the app's flags (`--num-experts`, `--moe-token-dispatcher-type`,
+`--expert-model-parallel-size`, `--context-parallel-size`, `--cp-comm-type`, ...) and its
+validation; a preset's MoE fields fill the MoE flags left at their defaults.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return {k for k, v in vars(sentinel).items() if v is not None and v != defaults.get(k)}
 
 
-MOE_FLAGS = ("num_experts", "expert_model_parallel_size", "context_parallel_size")
+def parser_default(flag: str):
+    """The app's default for `flag` (a preset value replaces only a default)."""
+    return _parser().get_default(flag)
 
 
 def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
@@ -76,20 +79,23 @@ def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
 def _validated(args: argparse.Namespace, moe: dict) -> tuple[MemoryPlan, argparse.Namespace]:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
-    if args.num_experts:
-        moe = {**moe, "num_moe_experts": args.num_experts}
     world = tp * pp * cp if args.world_size is None else args.world_size
-    dp = derive_dp(world, tp, pp, cp, ep, tp)
-    # The app does not train MoE / cp yet (validate_args refuses them); size them here.
-    for name in MOE_FLAGS:
-        setattr(args, name, None if name == "num_experts" else 1)
+    dp = derive_dp(world, tp, pp, cp, ep, args.expert_tensor_parallel_size or tp)
+    # A preset's / HF config's MoE fields fill the app's flags the command line left unset,
+    # so validate_args checks the whole MoE and cp layout with the app's own rules.
+    late = {}
+    for field, value in moe.items():
+        flag = "num_experts" if field == "num_moe_experts" else field
+        if not hasattr(args, flag) or isinstance(value, list):
+            late[field] = value  # e.g. a per-layer moe_layer_freq list: set on the config
+        elif getattr(args, flag) in (None, parser_default(flag)):
+            setattr(args, flag, value)
     if args.train_iters is None and args.train_samples is None:
         args.train_iters = 1
     args.mock_data = True
-    validate_args(args, world // cp, cuda=True)
+    validate_args(args, world, cuda=True)
     plan = plan_from_args(args)
-    fields = dict(moe, context_parallel_size=cp, expert_model_parallel_size=ep)
-    plan.config = dataclasses.replace(plan.config, **fields)
+    plan.config = dataclasses.replace(plan.config, **late)
     plan.dp = dp
     plan.name = args.preset or args.hf_config or "custom"
     if plan.config.is_moe and plan.config.num_moe_experts % ep:

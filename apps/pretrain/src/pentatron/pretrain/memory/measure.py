@@ -35,6 +35,8 @@ class MeasuredMemory:
     pp_rank: int
     tp_rank: int
     dp_rank: int
+    edp_rank: int
+    dp_cp_rank: int  # rank in the dense grad buffer's group (dp x cp)
     num_parameters: int
     weights_bytes: int
     grads_bytes: int
@@ -166,6 +168,8 @@ def measure(argv: list[str]) -> MeasuredMemory:
             pp_rank=grid.rank("pp"),
             tp_rank=grid.rank("tp"),
             dp_rank=grid.rank("dp"),
+            edp_rank=grid.rank("edp"),
+            dp_cp_rank=grid.rank("dp-cp"),
             activations_per_microbatch=[sum(m.values()) for m in ledger.per_mb],
             peak_activations_bytes=ledger.peak,
             peak_microbatches_in_flight=ledger.peak_count,
