@@ -112,6 +112,7 @@ class GPTModel(torch.nn.Module):
             post_layer_norm=self.post_process,
             tp_group=par.tp_group,
             tp_size=par.tp_size,
+            parallel=par,  # MoE layers take their ep/etp groups from the model's grid
         )
         if par.cp_size > 1:
             self._set_cp_group(par.group("cp"))
