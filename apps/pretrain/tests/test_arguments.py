@@ -79,6 +79,16 @@ def test_derived_values_for_the_readme_layout():
         (["--async-save"], 1, "--async-save"),  # without --save
         (["--device", "cuda"], 1, "--device"),  # this machine has no GPU
         (
+            ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+            2,
+            "--use-distributed-optimizer",
+        ),
+        (
+            ["--use-torch-fsdp2", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+            2,
+            "--expert-model-parallel-size",
+        ),
+        (
             [
                 "--sequence-parallel",
                 "--tensor-model-parallel-size",

@@ -1,7 +1,9 @@
 """Acceptance: 10 training steps give the same loss at every step at 1 process, at
 tp2-pp2-dp2, and at tp2-pp2(vpp2)-dp2 with sequence parallelism and the distributed
 optimizer (gloo, fp32, mock data, the same seed; rtol 1e-4: only the order of the sums
-differs, and Adam amplifies those differences slightly over 10 steps)."""
+differs, and Adam amplifies those differences slightly over 10 steps). Also with torch
+FSDP2 (`--use-torch-fsdp2`, params, grads and optimizer state sharded over dp) in place of
+DDP at tp2-pp2(vpp2)-dp2 with SP."""
 
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ LAYOUTS = {
         "1",
         "--sequence-parallel",
         "--use-distributed-optimizer",
+    ],
+    "tp2-pp2-vpp2-dp2-sp-fsdp2": [
+        *TP2_PP2,
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--sequence-parallel",
+        "--use-torch-fsdp2",
     ],
 }
 

@@ -190,6 +190,7 @@ def test_hf_config_and_plot(tmp_path, capsys):
             "--num-layers=5",
         ),
         (["--world-size", "0"], "--world-size=0"),
+        (["--use-torch-fsdp2", "--world-size", "2"], "--use-torch-fsdp2"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, needle, capsys):

@@ -89,8 +89,13 @@ LAYOUTS = {
         ],
         "moe-ep2-a2a": MOE + EP2 + A2A + ["--global-batch-size", "4"],
         "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
-        "cp2-all_gather-bf16": BF16
-        + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+        "cp2-all_gather-bf16": [
+            *BF16,
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            "all_gather",
+        ],
         "cp2-a2a-bf16-gqa": BF16 + GQA + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
     },
     4: {

@@ -4,8 +4,11 @@
   7..12 equal 12 uninterrupted steps bitwise (CPU, dropout on, so the RNG is restored too).
   The first run saves with --async-save every 2 steps (writes overlap training, published
   at a later iteration end), the second synchronously.
-- Save at tp2-pp2-dp2, resume at tp1-pp1-dp4 and at tp4-pp2-dp1: the next step's loss equals
-  the uninterrupted run's (rtol 1e-5, fp32: only the order of sums differs).
+- Save at tp2-pp2-dp2, resume at tp1-pp1-dp4 and at tp4-pp2-dp1: the next two steps' losses
+  equal the uninterrupted run's (rtol 1e-5, fp32: only the order of sums differs). The same across
+  data-parallel engines: the distributed optimizer's checkpoint resumed with FSDP2 at
+  tp1-pp1-dp4, and an FSDP2 checkpoint (tp2-pp2-dp2) resumed with DDP at tp1-pp1-dp4 and
+  with FSDP2 at tp4-pp2-dp1.
 - A NaN loss stops the run at that iteration on every rank with a message naming it, and
   the latest checkpoint stays the one before; with --on-nan-loss skip the run goes on.
 """
@@ -23,7 +26,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _app import TINY_GPT, TP2_PP2, last_stage, train
 
-ARGS = [*TINY_GPT, "--seed", "5", "--use-distributed-optimizer"]
+BASE = [*TINY_GPT, "--seed", "5"]
+ARGS = [*BASE, "--use-distributed-optimizer"]
+FSDP2 = [*BASE, "--use-torch-fsdp2"]
+TP4_PP2 = ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
@@ -50,36 +56,53 @@ def test_resume_is_bitwise_exact(distributed, tmp_path_factory):
     assert read_latest_iteration(os.path.join(root, "ckpt")) == 12
 
 
+def _save_at_tp2_pp2_dp2(distributed, tmp_path_factory, base):
+    ckpt = os.path.join(str(tmp_path_factory.mktemp("reshard")), "ckpt")
+    per_rank = distributed.run(
+        8, train, base + TP2_PP2 + ["--train-iters", "8", "--save", ckpt, "--save-interval", "6"]
+    )
+    return ckpt, last_stage(per_rank)[0]
+
+
 @pytest.fixture(scope="module")
 def saved_at_tp2_pp2_dp2(distributed, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("reshard"))
-    ckpt = os.path.join(root, "ckpt")
-    per_rank = distributed.run(
-        8, train, ARGS + TP2_PP2 + ["--train-iters", "7", "--save", ckpt, "--save-interval", "6"]
-    )
-    reference = last_stage(per_rank)[0]
-    return ckpt, reference
+    return _save_at_tp2_pp2_dp2(distributed, tmp_path_factory, ARGS)
+
+
+@pytest.fixture(scope="module")
+def saved_with_fsdp2(distributed, tmp_path_factory):
+    return _save_at_tp2_pp2_dp2(distributed, tmp_path_factory, FSDP2)
+
+
+def _assert_next_losses(distributed, saved, world, argv):
+    """Steps 7 and 8 after loading step 6: the weights decide step 7's loss, and the
+    optimizer state (Adam moments, step count) and the scheduler step 8's."""
+    # Without dropout: its masks depend on the layout (one stream per tp rank).
+    ckpt, reference = saved
+    argv = [*argv, "--train-iters", "8", "--load", ckpt, "--ckpt-step", "6"]
+    per_rank = distributed.run(world, train, argv)
+    for losses in last_stage(per_rank):
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(reference[6:]), rtol=1e-5, atol=0.0
+        )
 
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [
-        (4, []),  # tp1-pp1-dp4
-        (8, ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"]),
-    ],
-    ids=["tp1-pp1-dp4", "tp4-pp2-dp1"],
+    [(4, ARGS), (8, ARGS + TP4_PP2), (4, FSDP2)],
+    ids=["tp1-pp1-dp4", "tp4-pp2-dp1", "tp1-pp1-dp4-fsdp2"],
 )
-def test_resharded_resume_continues_thetrain(distributed, saved_at_tp2_pp2_dp2, world, layout):
-    # Without dropout: its masks depend on the layout (one stream per tp rank).
-    ckpt, reference = saved_at_tp2_pp2_dp2
-    per_rank = distributed.run(
-        world, train, ARGS + layout + ["--train-iters", "7", "--load", ckpt, "--ckpt-step", "6"]
-    )
-    for losses in last_stage(per_rank):
-        assert len(losses) == 1
-        torch.testing.assert_close(
-            torch.tensor(losses[0]), torch.tensor(reference[6]), rtol=1e-5, atol=0.0
-        )
+def test_resharded_resume_continues_the_run(distributed, saved_at_tp2_pp2_dp2, world, layout):
+    _assert_next_losses(distributed, saved_at_tp2_pp2_dp2, world, layout)
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [(4, ARGS), (8, FSDP2 + TP4_PP2)],
+    ids=["tp1-pp1-dp4-distopt", "tp4-pp2-dp1-fsdp2"],
+)
+def test_fsdp2_checkpoint_resumes_at_another_layout(distributed, saved_with_fsdp2, world, layout):
+    _assert_next_losses(distributed, saved_with_fsdp2, world, layout)
 
 
 def _nan_at(iteration_to_poison, root, action):

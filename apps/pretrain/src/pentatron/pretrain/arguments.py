@@ -67,6 +67,11 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: tp")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="shard params, grads and optimizer state over dp x cp with torch FSDP2",
+    )
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None)

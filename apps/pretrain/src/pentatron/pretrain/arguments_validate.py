@@ -293,6 +293,38 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
         )
 
 
+def _fsdp2(args: argparse.Namespace) -> None:
+    """FSDP2 replaces DDP and the distributed optimizer over dp x cp (see training/setup)."""
+    if not args.use_torch_fsdp2:
+        return
+    fix = "drop --use-torch-fsdp2 or the other flag"
+    if args.use_distributed_optimizer:
+        _fail(
+            "use-distributed-optimizer",
+            True,
+            "FSDP2 already shards the optimizer state (and params, grads) over dp",
+            fix,
+        )
+    if args.fp16:
+        _fail("fp16", True, "FSDP2 runs bf16 or fp32 (no fp16 loss scaling)", "use --bf16")
+    if args.expert_model_parallel_size > 1:
+        _fail(
+            "expert-model-parallel-size",
+            args.expert_model_parallel_size,
+            "FSDP2 shards every param over dp x cp; experts split over ep need their own "
+            "expert-data-parallel mesh, which this release does not build",
+            "use ep 1 with FSDP2, or DDP (optionally the distributed optimizer) with ep",
+        )
+    etp = args.expert_tensor_parallel_size
+    if args.num_experts and etp is not None and etp != args.tensor_model_parallel_size:
+        _fail(
+            "expert-tensor-parallel-size",
+            etp,
+            "with FSDP2 the experts are sharded over the dense dp x cp mesh, so etp must be tp",
+            "leave --expert-tensor-parallel-size unset",
+        )
+
+
 def _data_and_checkpoints(args: argparse.Namespace) -> None:
     if args.data_path:
         from .data.builder import parse_data_path
@@ -371,6 +403,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False)
     _batch(args)
     _training_length(args)
     _precision_and_gpu(args, cuda)
+    _fsdp2(args)
     _data_and_checkpoints(args)
     _model_config(args)
     return args

@@ -12,7 +12,7 @@ from .dcp_chunks import ChunkLoadPlanner, ChunkSavePlanner, GlobalChunks
 from .distributed.ddp import DistributedDataParallel, is_expert_param
 from .distributed.ddp_config import DDPConfig
 from .distributed.finalize import allreduce_grads, finalize_model_grads
-from .distributed.fsdp import FSDP2DataParallel, apply_fsdp2, default_blocks
+from .distributed.fsdp import FSDP2DataParallel, apply_fsdp2, default_blocks, local_tensor
 from .distributed.grad_buffer import Bucket, BufferLayout, ParamAndGradBuffer, plan_layout
 from .errors import OptimConfigError
 from .optimizer.clip_grads import (
@@ -26,6 +26,7 @@ from .optimizer.clip_grads import (
 from .optimizer.config import OptimizerConfig
 from .optimizer.distributed_optimizer import DistributedOptimizer
 from .optimizer.factory import get_optimizer
+from .optimizer.fsdp_optimizer import FSDP2Optimizer
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer.mixed_precision import GradStatsGroups, MixedPrecisionOptimizer, StepResult
 from .optimizer.param_groups import default_no_weight_decay, get_param_groups
@@ -46,6 +47,7 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicGradScaler",
     "FSDP2DataParallel",
+    "FSDP2Optimizer",
     "FlatPieces",
     "GradSet",
     "GradStatsGroups",
@@ -68,6 +70,7 @@ __all__ = [
     "get_param_groups",
     "global_grad_norm",
     "is_expert_param",
+    "local_tensor",
     "load_optimizer",
     "plan_layout",
     "save_optimizer",

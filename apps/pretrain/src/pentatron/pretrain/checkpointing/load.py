@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from pentatron.optim import FSDP2Optimizer
 from pentatron.optim.dcp_chunks import ChunkLoadPlanner
 from pentatron.parallel_state import ProcessGrid, comm
 
@@ -29,6 +30,7 @@ from .common_state import (
     read_common,
 )
 from .common_state import layout as grid_layout
+from .fsdp2_optimizer_state import FSDP2OptimizerLoad
 from .model_state import model_load_entries
 from .optimizer_state import OptimizerLoad, refresh_main_from_model
 from .rng_state import restore_rng, rng_load_entries
@@ -108,9 +110,10 @@ def load_checkpoint(
         chunk.finish_param_sync()
     sd = model_load_entries(model_chunks, grid)
     _check_present(sd, saved, path, "fix: save and load the same model")
-    opt_load = None
+    opt_load: OptimizerLoad | FSDP2OptimizerLoad | None = None
+    fsdp2 = isinstance(optimizer, FSDP2Optimizer)
     if optimizer is not None and load_optim and not finetune:
-        opt_load = OptimizerLoad(optimizer, grid, set(saved))
+        opt_load = (FSDP2OptimizerLoad if fsdp2 else OptimizerLoad)(optimizer, grid, set(saved))
         hint = "it was saved without an optimizer; fix: pass load_optim=False"
         _check_present(opt_load.entries, saved, path, hint)
         sd.update(opt_load.entries)
@@ -122,7 +125,7 @@ def load_checkpoint(
     dcp.load(sd, storage_reader=FileSystemReader(path), planner=ChunkLoadPlanner())
     if opt_load is not None:
         opt_load.apply(common)
-    elif optimizer is not None:
+    elif optimizer is not None and not fsdp2:  # FSDP2's params are its main params
         refresh_main_from_model(optimizer)
     if scheduler is not None and load_optim and not finetune and common["scheduler"]:
         scheduler.load_state_dict(common["scheduler"])

@@ -1,8 +1,12 @@
 """Model params as chunks of their global tensors (keys `model/<global name>[/gate|/up]`).
 
 Save: dp rank 0 of each model-parallel group writes its tp shards' rectangles (see
-`rectangles`). Load: every rank reads the rectangles of its own shards, at any tp / pp /
-vpp / dp layout; vocabulary padding rows (which differ with tp) are set to zero.
+`rectangles`); with FSDP2 every dp rank writes the rows of the shards it holds. Load: every
+rank reads the rectangles of its own shards, at any tp / pp / vpp / dp layout and with or
+without FSDP2; vocabulary padding rows (which differ with tp) are set to zero.
+
+A param is a plain tensor (DDP) or an FSDP2 `DTensor` whose global shape is the tp shard;
+its rectangles then index `local_tensor(param)`.
 """
 
 from __future__ import annotations
@@ -12,25 +16,47 @@ from typing import Any
 
 import torch
 
+from pentatron.optim import local_tensor
 from pentatron.optim.dcp_chunks import GlobalChunks
 from pentatron.parallel_state import ProcessGrid
 
-from .rectangles import Rect, param_rects, shard_info
+from .rectangles import Rect, param_rects, restrict_rows, shard_info
 
 PREFIX = "model/"
+
+
+def held_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """Rows `[lo, hi)` of dim 0 that this rank holds of an FSDP2 `DTensor` param (torch.chunk
+    cut over its 1-D mesh: `ceil(n/d)` rows a rank, the last ones fewer or none); None for a
+    plain tensor (all rows)."""
+    local = local_tensor(param)
+    if local is param:
+        return None
+    n, d = param.shape[0], param.device_mesh.size()
+    rows = -(-n // d)
+    lo = min(n, param.device_mesh.get_local_rank() * rows)
+    hi = min(n, lo + rows)
+    if local.shape[0] != hi - lo:
+        raise RuntimeError(f"FSDP2 shard of {n} rows over {d}: expected {hi - lo} rows here")
+    return lo, hi
 
 
 def iter_param_rects(
     chunks: Sequence[Any], grid: ProcessGrid
 ) -> Iterator[tuple[torch.nn.Parameter, list[Rect]]]:
     """Every trainable param of this rank's chunks with its rectangles (`Rect.writer`
-    already says whether this rank writes it: one writer per value, see `rectangles`)."""
+    already says whether this rank writes it: one writer per value, see `rectangles`).
+    The rectangles index `local_tensor(param)`."""
     tp_rank, tp_size = grid.rank("tp"), grid.size("tp")
     for chunk in chunks:
         info = shard_info(chunk, tp_rank, tp_size, grid)
         model = getattr(chunk, "module", chunk)
         for name, p in model.named_parameters():
-            yield p, param_rects(name, tuple(p.shape), info)
+            rects = param_rects(name, tuple(p.shape), info)
+            rows = held_rows(p)
+            if rows is not None:
+                rects = [r for r in (restrict_rows(x, *rows) for x in rects) if r is not None]
+            yield p, rects
 
 
 def iter_buffer_rects(
@@ -67,7 +93,7 @@ def model_save_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, An
     for p, rects in _all_rects(chunks, grid):
         for rect in rects:
             if rect.writer:
-                add_rect(sd, PREFIX, rect, p.detach())
+                add_rect(sd, PREFIX, rect, local_tensor(p.detach()))
     return sd
 
 
@@ -79,7 +105,8 @@ def model_load_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, An
     """
     sd: dict[str, Any] = {}
     for p, rects in _all_rects(chunks, grid):
-        p.data.zero_()
+        local = local_tensor(p.data)  # a view: DCP's writes reach the DTensor's shard
+        local.zero_()
         for rect in rects:
-            add_rect(sd, PREFIX, rect, p.data)
+            add_rect(sd, PREFIX, rect, local)
     return sd

@@ -51,10 +51,12 @@ def _pieces(optimizer: MixedPrecisionOptimizer) -> Pieces:
     return out
 
 
-def _global_step(optimizer: MixedPrecisionOptimizer) -> torch.Tensor:
+def global_step(optimizer: Any) -> torch.Tensor:
     """The largest step count on any rank (0 before the first step): all-reduce(MAX, world)."""
-    steps = [float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s]
-    device = optimizer.main_params[0].main.device if optimizer.main_params else "cpu"
+    inner = optimizer.optimizer
+    steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+    params = [p for g in inner.param_groups for p in g["params"]]
+    device = params[0].device if params else "cpu"
     step = torch.tensor(max(steps, default=0.0), dtype=torch.float64, device=device)
     comm.all_reduce(step, op=dist.ReduceOp.MAX)  # a device tensor: nccl reduces no CPU ones
     return step.cpu()
@@ -90,7 +92,7 @@ def optimizer_save_entries(
     optimizer: MixedPrecisionOptimizer, chunks: Sequence[Any], grid: ProcessGrid
 ) -> dict[str, Any]:
     """Collective over the world: this rank's chunks of the optimizer tensors."""
-    step = _global_step(optimizer)
+    step = global_step(optimizer)
     keys = ["main"] + (per_element_keys(optimizer) if step.item() > 0 else [])
     full = _full_shards(optimizer, keys)
     sd: dict[str, Any] = {}
@@ -104,15 +106,20 @@ def optimizer_save_entries(
     return sd
 
 
+def saved_has_state(saved: set[str]) -> bool:
+    """Did the checkpoint hold per-element optimizer state (saved after a first step)?"""
+    return STEP_KEY in saved and any(
+        k.startswith(PREFIX + "exp_avg/") or k.startswith(PREFIX + "momentum_buffer/")
+        for k in saved
+    )
+
+
 class OptimizerLoad:
     """Receiving tensors for one load (`entries`), then `apply()` puts them in place."""
 
     def __init__(self, optimizer: MixedPrecisionOptimizer, grid: ProcessGrid, saved: set[str]):
         self.optimizer, self.pieces = optimizer, _pieces(optimizer)
-        self.has_state = STEP_KEY in saved and any(
-            k.startswith(PREFIX + "exp_avg/") or k.startswith(PREFIX + "momentum_buffer/")
-            for k in saved
-        )
+        self.has_state = saved_has_state(saved)
         self.keys = ["main"] + (per_element_keys(optimizer) if self.has_state else [])
         self.full: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
         self.entries: dict[str, Any] = {STEP_KEY: torch.zeros((), dtype=torch.float64)}
@@ -142,7 +149,7 @@ class OptimizerLoad:
                         "step": step.clone(),
                         **{k: v.clone() for k, v in part.items()},
                     }
-        _load_inner_state(self.optimizer.optimizer, new_state)
+        load_inner_state(self.optimizer.optimizer, new_state)
         load_groups(self.optimizer, common.get("param_groups", []))
         scaler = self.optimizer.grad_scaler
         if scaler is not None and common.get("grad_scaler") is not None:
@@ -150,7 +157,7 @@ class OptimizerLoad:
         write_main_to_model(self.optimizer)
 
 
-def _load_inner_state(inner: torch.optim.Optimizer, new_state: dict) -> None:
+def load_inner_state(inner: torch.optim.Optimizer, new_state: dict) -> None:
     """Through `load_state_dict`, so torch casts and places `step` as it expects."""
     current = inner.state_dict()
     params = [t for g in inner.param_groups for t in g["params"]]

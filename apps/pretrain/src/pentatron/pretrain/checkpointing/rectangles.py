@@ -15,6 +15,10 @@ or two rectangles of it (see `pentatron.models.sharding` for the split rules):
 | expert `[E/ep, ...]`   | ep rank e, etp split as above | offset `e E/ep` on dim 0, then the   |
 |                        |                              | etp split like tp (gate/up for fc1)  |
 
+With FSDP2 (`--use-torch-fsdp2`) a rank holds only rows `[lo, hi)` of dim 0 of its tp shard
+(torch.chunk's cut over dp x cp); `restrict_rows` keeps the part of each rectangle that
+falls there, and every dp rank writes its own rows.
+
 The tied `output_layer.weight` of the last stage (pp > 1) is a copy of the embedding: it
 maps to the embedding's rectangles and is never written. Who writes a rectangle: dense
 tensors dp rank 0 (and tp rank 0 if replicated over tp), expert tensors edp rank 0 (and
@@ -26,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pentatron.models import TransformerConfig, global_param_name, param_sharding
+from pentatron.optim import FSDP2DataParallel
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -123,19 +128,34 @@ def _on_expert_rank(rect: Rect, info: ShardInfo) -> Rect:
     return Rect(rect.key, gshape, offsets, rect.local, rect.writer)
 
 
+def restrict_rows(rect: Rect, lo: int, hi: int) -> Rect | None:
+    """The part of `rect` inside rows `[lo, hi)` of the shard's dim 0, with `local` relative
+    to row `lo` (the shard's rows this rank holds); None if they do not meet."""
+    first = rect.local[0]
+    start = first.start or 0
+    stop = first.stop if first.stop is not None else hi
+    a, b = max(start, lo), min(stop, hi)
+    if a >= b:
+        return None
+    local = (slice(a - lo, b - lo), *rect.local[1:])
+    offsets = (rect.offsets[0] + a - start, *rect.offsets[1:])
+    return Rect(rect.key, rect.global_shape, offsets, local, rect.writer)
+
+
 def shard_info(chunk, tp_rank: int, tp_size: int, grid=None) -> ShardInfo:
     """`ShardInfo` of a GPTModel chunk (or a DDP wrapper of one); `grid` gives the ep/etp
     position and which dp / edp rank writes (None: one process, it writes everything)."""
     model = getattr(chunk, "module", chunk)
     expert = {}
     if grid is not None:
+        fsdp2 = isinstance(chunk, FSDP2DataParallel)  # each dp rank holds other rows
         expert = dict(
-            dp_writer=grid.rank("dp") == 0,
+            dp_writer=fsdp2 or grid.rank("dp") == 0,
             ep_rank=grid.rank("ep"),
             ep_size=grid.size("ep"),
             etp_rank=grid.rank("etp"),
             etp_size=grid.size("etp"),
-            edp_writer=grid.rank("edp") == 0,
+            edp_writer=fsdp2 or grid.rank("edp") == 0,
         )
     return ShardInfo(
         **expert,

@@ -22,12 +22,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from pentatron.optim import FSDP2Optimizer
 from pentatron.optim.dcp_chunks import ChunkSavePlanner
 from pentatron.parallel_state import ProcessGrid, comm
 
 from . import layout
 from .common_state import layout as grid_layout
 from .common_state import model_fields, write_common
+from .fsdp2_optimizer_state import fsdp2_optimizer_save_entries
 from .model_state import model_save_entries
 from .optimizer_state import groups_state, optimizer_save_entries
 from .rng_state import capture_rng
@@ -102,7 +104,9 @@ def save_checkpoint(
         chunk.finish_param_sync()  # an overlapped all-gather may still be in flight
     comm.barrier()
     sd = model_save_entries(model_chunks, grid)
-    if optimizer is not None:
+    if isinstance(optimizer, FSDP2Optimizer):
+        sd.update(fsdp2_optimizer_save_entries(optimizer, model_chunks, grid))
+    elif optimizer is not None:
         sd.update(optimizer_save_entries(optimizer, model_chunks, grid))
     sd.update(capture_rng(dist.get_rank()))
     common = None

@@ -90,6 +90,12 @@ def _validated(args: argparse.Namespace, moe: dict) -> tuple[MemoryPlan, argpars
             late[field] = value  # e.g. a per-layer moe_layer_freq list: set on the config
         elif getattr(args, flag) in (None, parser_default(flag)):
             setattr(args, flag, value)
+    if args.use_torch_fsdp2:
+        raise MemoryPlanError(
+            "--use-torch-fsdp2: the calculator models DDP and the distributed optimizer only; "
+            "fix: size the run with --use-distributed-optimizer (FSDP2 holds less: params and "
+            "grads are sharded over dp too)"
+        )
     if args.train_iters is None and args.train_samples is None:
         args.train_iters = 1
     args.mock_data = True

@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pentatron.optim import DistributedDataParallel, get_optimizer
+from pentatron.optim import (
+    DistributedDataParallel,
+    FSDP2DataParallel,
+    apply_fsdp2,
+    get_optimizer,
+)
 from pentatron.parallel_state import ProcessGrid, initialize_model_parallel
 from pentatron.tp_layers import model_parallel_seed
 
@@ -44,8 +49,9 @@ def stage_flags(grid: ProcessGrid, vp_stage: int | None, vpp: int | None) -> tup
 
 def get_model(
     model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace, grid: ProcessGrid
-) -> list[DistributedDataParallel]:
-    """One DDP-wrapped chunk per virtual stage, with layout-independent initial weights."""
+) -> list[DistributedDataParallel] | list[FSDP2DataParallel]:
+    """One DDP- (or FSDP2-) wrapped chunk per virtual stage, with layout-independent
+    initial weights."""
     vpp = args.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     chunks = []
@@ -54,8 +60,32 @@ def get_model(
         model = model_provider(pre, post, vp_stage=stage)
         init_weights_layout_independent(model, args.seed)
         chunks.append(model)
+    if args.use_torch_fsdp2:
+        return [fsdp2_chunk(m, args, grid) for m in chunks]
     ddp = configs.ddp_config(args)
     return [DistributedDataParallel(ddp, m, grid=grid) for m in chunks]
+
+
+def fsdp2_chunk(model: torch.nn.Module, args, grid: ProcessGrid) -> FSDP2DataParallel:
+    """Shard a chunk over dp x cp with FSDP2, one unit per transformer layer.
+
+    The shards are the fp32 main params: with --bf16 the (bf16-initialised) params are
+    widened before sharding and FSDP2 all-gathers them in bf16 for compute, reducing grads
+    in fp32; the numerics of our mixed-precision optimizer over bf16 params.
+    """
+    compute = configs.params_dtype(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.float()
+    return apply_fsdp2(
+        model,
+        grid.group("dp-cp"),
+        param_dtype=None if compute == torch.float32 else compute,
+        reduce_dtype=torch.float32,
+        blocks=list(model.decoder.layers),
+        # every rank initialised the same weights (layout-independent init)
+        broadcast_params=False,
+    )
 
 
 def setup_model_and_optimizer(model_provider, args, grid):

@@ -116,7 +116,7 @@ def _all_finite(reduced, chunks, grid: ProcessGrid, check_grads: bool) -> bool:
     touches a parameter."""
     loss_ok = all(bool(torch.isfinite(r["lm loss"]).all()) for r in reduced)
     grads_ok = not check_grads or all(
-        bool(torch.isfinite(b.grad_data).all()) for c in chunks for b in c.all_buffers
+        bool(torch.isfinite(g).all()) for c in chunks for g in c.local_grads()
     )
     bad_loss, bad_grads = agree_flags([not loss_ok, not grads_ok], grid)
     return not (bad_loss or bad_grads)

@@ -164,6 +164,10 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.all_buffers:
             buffer.zero_grad()
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """The grad storage this rank holds (one flat buffer per dtype and kind)."""
+        return [b.grad_data for b in self.all_buffers]
+
     def scale_gradients(self, factor: float) -> None:
         for buffer in self.all_buffers:
             buffer.scale_gradients(factor)

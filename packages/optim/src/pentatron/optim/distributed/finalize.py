@@ -17,11 +17,15 @@ import torch
 from pentatron.parallel_state import ProcessGrid, comm, get_default_grid
 
 from .ddp import DistributedDataParallel
+from .fsdp import local_tensor
 
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """DDP's main_grad, else `.grad`; of an FSDP2 param its local shard (the shards of a
+    replicated or tied param are cut the same way on every rank of the reduced group)."""
     grad = getattr(param, "main_grad", None)
-    return grad if grad is not None else param.grad
+    grad = grad if grad is not None else param.grad
+    return None if grad is None else local_tensor(grad)
 
 
 def allreduce_grads(params: Iterable[torch.nn.Parameter], group: Any) -> int:

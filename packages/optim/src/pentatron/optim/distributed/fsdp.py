@@ -11,6 +11,11 @@ Collectives, per block: forward `param[n/d]` -> all-gather(dp) -> `param[n]` (in
 issued by FSDP2's own hooks, so `finish_grad_sync` and the param-sync calls are no-ops and
 any torch optimizer (e.g. `torch.optim.AdamW`) steps the `DTensor` shards directly. Its
 `state_dict()` holds `DTensor`s, which torch.distributed.checkpoint saves and reshards.
+
+`fully_shard` replaces each param by a new `DTensor` parameter; the attributes our layers
+set on params (`tensor_model_parallel`, `sequence_parallel`, `shared_embedding`, `shared`,
+`allreduce`, ...) are copied onto it, so grad finalization and norm clipping still find
+them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pentatron.parallel_state import comm
+
+try:  # public from torch 2.5
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 try:  # public from torch 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -92,6 +102,10 @@ class FSDP2DataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's shard of every grad (after backward: reduce-scattered over dp)."""
+        return [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
+
     def scale_gradients(self, factor: float) -> None:
         for p in self.module.parameters():
             if p.grad is not None:
@@ -132,10 +146,19 @@ def apply_fsdp2(
         with torch.no_grad():
             for p in module.parameters():
                 comm.broadcast(p.data, src=src, group=group)
+    attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for block in default_blocks(module) if blocks is None else blocks:
         fully_shard(block, **kwargs)
     # The root's params are used last in forward and first in backward: keep them gathered.
     fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+    for name, p in module.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            setattr(p, key, value)
     return FSDP2DataParallel(module, mesh)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a `DTensor` (a view: writes reach the DTensor), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -8,24 +8,30 @@ from typing import Any
 from pentatron.parallel_state import ProcessGrid
 
 from ..distributed.ddp import DistributedDataParallel
+from ..distributed.fsdp import FSDP2DataParallel
 from ..errors import config_error
 from .config import OptimizerConfig
 from .distributed_optimizer import DistributedOptimizer
+from .fsdp_optimizer import FSDP2Optimizer
 from .mixed_precision import GradStatsGroups, MixedPrecisionOptimizer
 from .param_groups import NameCond, get_param_groups
 
 
 def get_optimizer(
     config: OptimizerConfig,
-    model_chunks: Sequence[DistributedDataParallel],
+    model_chunks: Sequence[DistributedDataParallel | FSDP2DataParallel],
     *,
     grid: ProcessGrid | None = None,
     stats_groups: GradStatsGroups | None = None,
     no_weight_decay_cond: NameCond | None = None,
     scale_lr_cond: NameCond | None = None,
     lr_mult: float = 1.0,
-) -> MixedPrecisionOptimizer:
-    """Build the (distributed) mixed-precision optimizer over DDP-wrapped `model_chunks`."""
+) -> MixedPrecisionOptimizer | FSDP2Optimizer:
+    """Build the (distributed) mixed-precision optimizer over DDP-wrapped `model_chunks`,
+    or `FSDP2Optimizer` over `FSDP2DataParallel` ones."""
+    if model_chunks and all(isinstance(c, FSDP2DataParallel) for c in model_chunks):
+        groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        return FSDP2Optimizer(config, model_chunks, groups, grid=grid, stats_groups=stats_groups)
     for chunk in model_chunks:
         if not isinstance(chunk, DistributedDataParallel):
             raise TypeError(
