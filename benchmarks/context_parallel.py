@@ -5,7 +5,8 @@
 For cp in {1, 2, 4} and each cp_comm_type, one SelfAttention (fused QKV, RoPE, causal core
 attention, output projection; GQA) runs forward on this rank's s/cp tokens while a
 `torch.autograd.graph.saved_tensors_hooks` pair sums the bytes of every distinct tensor
-autograd saves for backward. The ratio cp=1 / cp should be about cp: every saved tensor is
+autograd saves for backward, except the layer's own parameters (the weights a linear saves
+are not activations, and they do not shrink with cp). The ratio cp=1 / cp should be about cp: every saved tensor is
 `[s/cp, ...]` (all_gather keeps only the local K/V and gathers them again in backward).
 Counts, not seconds: the result is the same on any machine.
 
@@ -22,12 +23,14 @@ S, B, HEADS, GROUPS, D = 512, 1, 8, 4, 16
 KINDS = ("p2p", "all_gather", "a2a")
 
 
-def _saved_bytes(fn) -> int:
+def _saved_bytes(fn, params) -> int:
     seen: dict[tuple, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in params}
 
     def pack(t: torch.Tensor):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        seen[key] = t.numel() * t.element_size()
+        if t.untyped_storage().data_ptr() not in weights:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            seen[key] = t.numel() * t.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -36,7 +39,7 @@ def _saved_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def attention_rank(cp: int, kind: str) -> int:
+def attention_rank(cp: int, kind: str, seq: int = S) -> int:
     """Saved-activation bytes of one SelfAttention forward on this cp rank."""
     from pentatron.models import TransformerConfig, get_gpt_layer_local_spec
     from pentatron.models.context_parallel import cp_positions
@@ -64,20 +67,20 @@ def attention_rank(cp: int, kind: str) -> int:
         spec = get_gpt_layer_local_spec().submodules.self_attention
         attn = build_module(spec, config, layer_number=1)
         attn.core_attention.set_cp_group(grid.group("cp"))
-        pos = cp_positions(S, cp, grid.rank("cp"))[None]
-        rotary = RotaryEmbedding(config)(pos, S // cp)
-        x = torch.randn(S // cp, B, HEADS * D, requires_grad=True)
-        return _saved_bytes(lambda: attn(x, None, rotary)[0])
+        pos = cp_positions(seq, cp, grid.rank("cp"))[None]
+        rotary = RotaryEmbedding(config)(pos, seq // cp)
+        x = torch.randn(seq // cp, B, HEADS * D, requires_grad=True)
+        return _saved_bytes(lambda: attn(x, None, rotary)[0], attn.parameters())
     finally:
         destroy_model_parallel(grid)
 
 
-def measure(pools: Any) -> list[dict[str, Any]]:
+def measure(pools: Any, seq: int = S) -> list[dict[str, Any]]:
     rows = []
     for kind in KINDS:
-        base = pools.run(1, attention_rank, 1, kind)[0]
+        base = pools.run(1, attention_rank, 1, kind, seq)[0]
         for cp in (2, 4):
-            per_rank = pools.run(cp, attention_rank, cp, kind)
+            per_rank = pools.run(cp, attention_rank, cp, kind, seq)
             rows.append({"kind": kind, "cp": cp, "cp1": base, "max_rank": max(per_rank)})
     return rows
 

@@ -1,4 +1,5 @@
-"""The performance suite's communication-volume part: ledger counts equal the closed forms.
+"""The performance suite's counted parts: ledger counts equal the closed forms, and context
+parallelism's saved activations per rank fall by cp.
 
 `benchmarks/` is not a package, so the module is loaded by path. Counts, not seconds.
 """
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "comm_volume.py"
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("benchmarks_comm_volume", PATH)
+def _load(name: str = "comm_volume"):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,3 +61,14 @@ def test_closed_forms_by_hand():
     # ZeRO-1 pads params to 64 and the bucket to lcm(d, 128): [100, 10] -> 64+100 -> 256.
     assert cv.theory_dp([10, 100], 2, True)["reduce_scatter"] == 256
     assert cv.theory_dp([10, 100], 2, False)["all_reduce"] == 110
+
+
+def test_context_parallel_saved_activations_fall_by_cp(distributed):
+    """Saved-tensor bytes of one attention block (params excluded) on the most loaded cp
+    rank: at least 0.9 * cp times fewer than at cp=1, for every comm type."""
+    rows = _load("context_parallel").measure(distributed, seq=128)
+    assert {(r["kind"], r["cp"]) for r in rows} == {
+        (k, c) for k in ("p2p", "all_gather", "a2a") for c in (2, 4)
+    }
+    for r in rows:
+        assert r["cp1"] / r["max_rank"] >= 0.9 * r["cp"], r

@@ -83,3 +83,43 @@ def test_bad_cp_flags(extra, match):
     argv = [*COMMON, "--context-parallel-size", "2", *extra]
     with pytest.raises(ArgumentError, match=match):
         validate_args(parse_args(argv), 2)
+
+
+def _masked_loss_over_cp(mask_full, values_full):
+    """One micro-batch through get_batch's cp cut and loss_func, then the schedule's divide
+    by the token count and DDP's grad average over dp x cp (here cp ranks only)."""
+    import torch.distributed as dist
+
+    from pentatron.models.context_parallel import get_batch_on_this_cp_rank
+    from pentatron.pretrain.gpt_step import loss_func
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    w = torch.tensor(1.5, requires_grad=True)
+    batch = get_batch_on_this_cp_rank({"loss_mask": mask_full, "labels": values_full}, cp, rank)
+    output = w * batch["labels"].float() ** 2  # a per-token "loss" [b, s/cp]
+    loss, num_tokens, report = loss_func(batch["loss_mask"], output, dist.group.WORLD)
+    (loss / num_tokens).backward()
+    grad = w.grad.clone()
+    dist.all_reduce(grad)
+    return {"grad": grad / cp, "report": report["lm loss"], "tokens": int(num_tokens)}
+
+
+def test_loss_is_reduced_over_cp_by_token_count(distributed):
+    """Masks that put different token counts on the cp ranks: the reported loss, the token
+    count and the grad equal one process's per-token mean over the whole sequence (a mean of
+    the ranks' local means would differ)."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randint(1, 9, (2, 16), generator=g)
+    mask = torch.zeros(2, 16)
+    mask[:, :3] = 1.0  # all on cp rank 0's first chunk
+    mask[0, 13] = 1.0  # one token on rank 0's second chunk (chunk 3 of 4)
+    mask[1, 5] = 1.0  # one token on rank 1 (chunk 1)
+    w = torch.tensor(1.5, requires_grad=True)
+    full = w * values.float() ** 2
+    expected = (full * mask).sum() / mask.sum()
+    expected.backward()
+    for got in distributed.run(2, _masked_loss_over_cp, mask, values):
+        assert got["tokens"] == int(mask.sum())
+        loss_sum, count = got["report"]
+        torch.testing.assert_close(loss_sum / count, expected.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["grad"], w.grad, rtol=1e-6, atol=0)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from pentatron.parallel_state import comm
 
+from ..config import ModelConfigError
+
 
 def _a2a(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous()  # empty_like would keep a permuted input's strides
@@ -73,7 +75,7 @@ def a2a_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
     cp = dist.get_world_size(group)
     n, g = q.size(2), k.size(2)
     if n % cp or g % cp:
-        raise ValueError(
+        raise ModelConfigError(
             f"cp_comm_type='a2a' on {n} query heads / {g} groups per tp rank with "
             f"context_parallel_size={cp}: the rule: heads and query groups per tp rank must "
             "divide by cp; fix: use cp_comm_type='p2p' or 'all_gather'"
