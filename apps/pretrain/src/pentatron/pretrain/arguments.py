@@ -50,7 +50,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"])
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
-    g.add_argument("--enable-cuda-graph", action="store_true")
+    g.add_argument(
+        "--enable-cuda-graph",
+        action="store_true",
+        help="CUDA graphs of the transformer layers, captured after the warm-up steps",
+    )
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:

@@ -272,9 +272,7 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
                 "drop the flag on CPU",
             )
     if args.enable_cuda_graph:
-        _fail(
-            "enable-cuda-graph", True, "CUDA graph capture is not in this release", "drop the flag"
-        )
+        _cuda_graph(args)
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         _fail(
             "fp8-format",
@@ -291,6 +289,26 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
             "fp16 training needs CUDA (CPU kernels are bf16/fp32)",
             "use --bf16 or fp32 on CPU",
         )
+
+
+def _cuda_graph(args: argparse.Namespace) -> None:
+    """The app-level limits of --enable-cuda-graph (the model's are TransformerConfig's)."""
+    refused = [
+        (
+            "use-torch-fsdp2",
+            args.use_torch_fsdp2,
+            "FSDP2 gathers and frees params around each layer from Python hooks a replay skips",
+        ),
+        ("fp8-format", args.fp8_format, "FP8 scaling factors are updated outside the graph"),
+        (
+            "rampup-batch-size",
+            args.rampup_batch_size,
+            "the graphs hold one step's micro-batch count",
+        ),
+    ]
+    for flag, value, why in refused:
+        if value:
+            _fail(flag, value, f"with --enable-cuda-graph: {why}", f"drop {flag} or the graphs")
 
 
 def _fsdp2(args: argparse.Namespace) -> None:

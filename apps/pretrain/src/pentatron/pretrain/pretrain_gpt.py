@@ -128,8 +128,17 @@ def _loader_factory(args, grid, dataset, consumed: int):
     )
 
 
-def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func=None):
-    """Train per `args` (validated); returns the final TrainState."""
+def pretrain(
+    args: argparse.Namespace,
+    *,
+    logger_factory=None,
+    forward_step_func=None,
+    cuda_graph_capture=None,
+):
+    """Train per `args` (validated); returns the final TrainState.
+
+    `cuda_graph_capture`: with --enable-cuda-graph, the function that captures a layer's
+    work (default `pentatron.models.cuda_graphs.cuda_capture`, torch.cuda.graph)."""
     grid = initialize(args)
     resolve_data(args)
     tokenizer = build_tokenizer_for(args)
@@ -179,11 +188,20 @@ def pretrain(args: argparse.Namespace, *, logger_factory=None, forward_step_func
         logger=logger,
         save=_saver(args, chunks, optimizer, scheduler, grid, config, async_saver),
         async_saver=async_saver,
+        cuda_graphs=_cuda_graphs(args, chunks, cuda_graph_capture),
     )
     try:
         return trainer.train(state)
     finally:
         logger.close()
+
+
+def _cuda_graphs(args, chunks, capture):
+    if not args.enable_cuda_graph:
+        return None
+    from pentatron.models.cuda_graphs import LayerCudaGraphs, cuda_capture
+
+    return LayerCudaGraphs(chunks, args.cuda_graph_warmup_steps, capture or cuda_capture)
 
 
 def _saver(args, chunks, optimizer, scheduler, grid, config, async_saver=None):

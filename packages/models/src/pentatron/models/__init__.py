@@ -29,6 +29,7 @@ from .counting import (
     num_parameters,
     num_parameters_in_model,
 )
+from .cuda_graphs import CudaGraphError, LayerCudaGraphs, cuda_capture, eager_capture
 from .embedding import LanguageModelEmbedding
 from .gpt_model import GPTModel, build_model_chunks
 from .grads import allreduce_tied_embedding_grads, sync_grads
@@ -59,6 +60,10 @@ from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 __version__ = "0.2.0"
 
 __all__ = [
+    "CudaGraphError",
+    "LayerCudaGraphs",
+    "cuda_capture",
+    "eager_capture",
     "GroupedMLP",
     "MoELayer",
     "MoESubmodules",

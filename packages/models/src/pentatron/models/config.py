@@ -104,6 +104,9 @@ class TransformerConfig:
     apply_query_key_layer_scaling: bool = False
     calculate_per_token_loss: bool = False  # losses are sums over tokens (MoE aux losses follow)
     fp8: str | None = None  # "e4m3" | "hybrid": only with the transformer-engine spec
+    # CUDA graphs of the transformer layers (models.cuda_graphs); checked in _check_cuda_graph
+    enable_cuda_graph: bool = False
+    cuda_graph_warmup_steps: int = 3
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
@@ -153,6 +156,7 @@ class TransformerConfig:
         self._check_pipeline()
         check_context_parallel(self)
         check_moe(self)
+        self._check_cuda_graph()
 
     # --- defaults and simple checks ------------------------------------------------------------
     def _fill_defaults(self) -> None:
@@ -288,6 +292,43 @@ class TransformerConfig:
                 "recompute_method/recompute_num_layers need recompute_granularity='full'",
                 "set recompute_granularity='full' or unset the method and layer count",
             )
+
+    def _check_cuda_graph(self) -> None:
+        """What a captured layer cannot hold: RNG draws (dropout), data-dependent shapes
+        (MoE routing), Python-driven communication (context-parallel rings) and
+        checkpointed recomputation."""
+        if not self.enable_cuda_graph:
+            return
+        _positive_int("cuda_graph_warmup_steps", self.cuda_graph_warmup_steps)
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(self, name) > 0:
+                _fail(
+                    name,
+                    getattr(self, name),
+                    "enable_cuda_graph replays the layers without drawing new dropout masks",
+                    f"set {name}=0 (the usual for LLM pretraining) or drop enable_cuda_graph",
+                )
+        refused = [
+            ("num_moe_experts", self.is_moe, "MoE routing gives each step other shapes"),
+            (
+                "context_parallel_size",
+                self.context_parallel_size > 1,
+                "cp attention is driven from Python per block",
+            ),
+            (
+                "recompute_granularity",
+                self.recompute_granularity is not None,
+                "recomputation re-enters the forward inside backward",
+            ),
+        ]
+        for name, bad, why in refused:
+            if bad:
+                _fail(
+                    name,
+                    getattr(self, name),
+                    f"enable_cuda_graph cannot capture it: {why}",
+                    f"drop enable_cuda_graph or {name}",
+                )
 
     def _check_pipeline(self) -> None:
         _positive_int("pipeline_model_parallel_size", self.pipeline_model_parallel_size)

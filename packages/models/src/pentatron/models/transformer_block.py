@@ -84,6 +84,8 @@ class TransformerBlock(torch.nn.Module):
         )
         self.final_layernorm = Norm(config, config.hidden_size) if post_layer_norm else None
         self.input_tensor: torch.Tensor | None = None
+        self.cuda_graphs: Any = None  # a LayerCudaGraphs attaches itself (enable_cuda_graph)
+        self.cuda_graph_chunk = 0
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         self.input_tensor = tensor
@@ -120,8 +122,11 @@ class TransformerBlock(torch.nn.Module):
 
     def _run(self, start: int, end: int, hidden, mask, cos, sin) -> torch.Tensor:
         rotary = None if cos is None else (cos, sin)
-        for layer in self.layers[start:end]:
-            hidden = layer(hidden, mask, rotary)
+        for i in range(start, end):
+            if self.cuda_graphs is not None:
+                hidden = self.cuda_graphs(self, i, hidden, mask, rotary)
+            else:
+                hidden = self.layers[i](hidden, mask, rotary)
         return hidden
 
     def _checkpointed_forward(self, hidden, mask, cos, sin) -> torch.Tensor:

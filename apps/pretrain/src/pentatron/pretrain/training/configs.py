@@ -63,6 +63,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        enable_cuda_graph=args.enable_cuda_graph,
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         **moe_fields(args),
     )
 

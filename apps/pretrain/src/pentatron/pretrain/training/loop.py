@@ -65,6 +65,7 @@ class Trainer:
     logger: Any
     save: Any  # save(state) -> None, or None without --save
     async_saver: Any = None  # checkpointing.AsyncSaver with --async-save
+    cuda_graphs: Any = None  # models.LayerCudaGraphs with --enable-cuda-graph
 
     def _should_exit(self, state: TrainState, started: float, catcher: SignalCatcher) -> str:
         args = self.args
@@ -90,6 +91,8 @@ class Trainer:
         args = self.args
         m = num_microbatches(args, state.consumed_samples)
         t0 = time.perf_counter()
+        if self.cuda_graphs is not None:  # captures once, after the warm-up steps
+            self.cuda_graphs.begin_step()
         out = train_step(
             args,
             self.chunks,
