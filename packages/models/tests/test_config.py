@@ -25,6 +25,7 @@ CASES = [
     (dict(hidden_dropout=1.0), "hidden_dropout=1.0"),
     (dict(hidden_size=60, num_attention_heads=8), "kv_channels"),
     (dict(position_embedding_type="rope", kv_channels=6, rotary_percent=0.5), "rotary_percent"),
+    (dict(fp8="hybrid", recompute_granularity="selective"), "recompute_granularity='selective'"),
 ]
 
 

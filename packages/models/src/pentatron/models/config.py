@@ -292,6 +292,15 @@ class TransformerConfig:
                 "recompute_method/recompute_num_layers need recompute_granularity='full'",
                 "set recompute_granularity='full' or unset the method and layer count",
             )
+        if gran is not None and self.fp8 is not None:
+            _fail(
+                "recompute_granularity",
+                gran,
+                f"with fp8={self.fp8!r} the recomputed forward would update the FP8 scaling "
+                "state a second time (that needs transformer-engine's FP8-aware checkpoint, "
+                "not wired here)",
+                "drop recomputation, or train in bf16 with it",
+            )
 
     def _check_cuda_graph(self) -> None:
         """What a captured layer cannot hold: RNG draws (dropout), data-dependent shapes

@@ -147,29 +147,49 @@ def TENorm(config: Any, hidden_size: int, eps: float | None = None, sequence_par
     return norm
 
 
-def fp8_context(config: Any) -> Any:
-    """`te.fp8_autocast` with Megatron's recipe when `config.fp8` is set, else nothing."""
+def fp8_context(config: Any, amax_group: Any = None) -> Any:
+    """`te.fp8_autocast` with Megatron's recipe when `config.fp8` is set, else nothing.
+
+    `amax_group`: where the FP8 amax history is reduced, Megatron's amax-reduction group
+    tp x dp x cp (the ranks of one pipeline stage that hold copies or shards of the same
+    tensors); None reduces over the whole world, which would mix the stages' layers."""
     if config.fp8 is None:
         return contextlib.nullcontext()
     require_te("config.fp8")
     from transformer_engine.common import recipe  # type: ignore[import-not-found]
 
     fmt = recipe.Format.E4M3 if config.fp8 == "e4m3" else recipe.Format.HYBRID
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(fp8_format=fmt))
+    return te.fp8_autocast(
+        enabled=True, fp8_recipe=recipe.DelayedScaling(fp8_format=fmt), fp8_group=amax_group
+    )
+
+
+def amax_reduction_group(parallel: Any) -> Any:
+    """The tp-dp-cp group of a `ModelParallel` (None for one process)."""
+    grid = getattr(parallel, "grid", None)
+    return None if grid is None else grid.group("tp-dp-cp")
 
 
 def _fp8_layer_class() -> Any:
     from .transformer_layer import TransformerLayer
 
     class _FP8TransformerLayer(TransformerLayer):
-        """TransformerLayer run under `fp8_context(config)`."""
+        """TransformerLayer run under `fp8_context(config, its amax-reduction group)`."""
 
         def forward(self, hidden: torch.Tensor, attention_mask: Any = None, rotary: Any = None):
-            with fp8_context(self.config):
+            with fp8_context(self.config, amax_reduction_group(self.parallel)):
                 return super().forward(hidden, attention_mask, rotary)
 
     return _FP8TransformerLayer
 
 
+_FP8_LAYER: Any = None
+
+
 def FP8TransformerLayer(*args: Any, **kwargs: Any) -> Any:
-    return _fp8_layer_class()(*args, **kwargs)
+    """A TransformerLayer under FP8 autocast; the class is made once, on first use (it
+    subclasses TransformerLayer, which imports this module)."""
+    global _FP8_LAYER
+    if _FP8_LAYER is None:
+        _FP8_LAYER = _fp8_layer_class()
+    return _FP8_LAYER(*args, **kwargs)

@@ -68,7 +68,8 @@ class TransformerBlock(torch.nn.Module):
         if parallel is None and config.is_moe:
             # MoE layers need the expert groups; without a ModelParallel take the default grid.
             parallel = ModelParallel.resolve(config, None, vp_stage)
-        extra = {"parallel": parallel} if config.is_moe else {}
+        # MoE layers take their ep/etp groups from it, FP8 layers the amax-reduction group
+        extra = {"parallel": parallel} if parallel is not None else {}
         self.layer_offset = get_layer_offset(config, pp_rank, vp_stage)
         n = get_num_layers_to_build(config, pp_rank, vp_stage)
         self.layers = torch.nn.ModuleList(

@@ -60,6 +60,7 @@ class TransformerLayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
+        self.parallel = parallel  # the model's ModelParallel (groups for MoE and FP8), or None
         init, out_init = init_methods(config)
         h = config.hidden_size
         self.input_layernorm = build_module(submodules.input_layernorm, config, h)
