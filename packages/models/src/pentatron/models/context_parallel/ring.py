@@ -64,32 +64,41 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring):
 
 
 def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
-    """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32)."""
+    """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32).
+
+    K/V travel in their own dtype (as in forward) and are widened per block; the dK/dV
+    accumulators travel in fp32. Each step's K/V exchange overlaps that step's block, and
+    the accumulator sent at step i is waited for only when step i + 1 adds to it, so it
+    overlaps the next block's computation too.
+    """
     dout = dout.float()
     delta = (dout * out).sum(-1)
-    kv = torch.stack([k.float(), v.float()])
+    kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
-    own = torch.zeros_like(kv)
+    own = torch.zeros_like(kv, dtype=torch.float32)
     acc: torch.Tensor | None = None  # dK/dV of the block in hand, from the ranks before
+    acc_works: list = []  # the accumulator's transfer in flight
     for step in range(ring.size):
         works: list = []
         if step < ring.size - 1:
             nxt, works = ring.exchange(kv)
         src = (ring.rank - step) % ring.size
         case = pair_case(src, ring.rank)
-        dq_p, dkv_p, qrows, kvrows = pair_grads(case, q, kv[0], kv[1], lse, dout, delta, scale)
+        k_f, v_f = kv[0].float(), kv[1].float()
+        dq_p, dkv_p, qrows, kvrows = pair_grads(case, q, k_f, v_f, lse, dout, delta, scale)
         dq[:, :, qrows] += dq_p
         if step == 0:
             own += dkv_p
         else:
-            acc = torch.zeros_like(kv) if acc is None else acc
+            _wait(acc_works)
+            acc = torch.zeros_like(own) if acc is None else acc
             acc[:, :, :, kvrows] += dkv_p
             # to the next rank, which holds this block next (or, last step, owns it)
             acc, acc_works = ring.exchange(acc)
-            works += acc_works
         _wait(works)
         if step < ring.size - 1:
             kv = nxt
+    _wait(acc_works)
     if acc is not None:
         own += acc
     return dq, own[0], own[1]
