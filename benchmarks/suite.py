@@ -12,7 +12,8 @@ Parts (each also runnable alone; the command is printed next to its lines):
 4. scaling of the quickstart model at world sizes 1, 2, 4, 8 (torchrun), step time per
    unit of work vs world size 1, and peak memory.
 Timings are medians in one process, so machine noise hits both sides of a ratio alike;
-only the ratios are meant to be compared across machines. About 4-6 minutes on 2 cores.
+only the ratios are meant to be compared across machines. About 100 s on an idle 2-core
+machine (98 s recorded in docs/performance.md); longer when the cores are shared.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def scaling_rows(iters: int) -> list[dict[str, Any]]:
             row.update(measured=None, theory=None, note=f"not measured: {r['error']}")
         else:
             row.update(measured=r["step_s"], theory=rows[0]["measured"] if rows else r["step_s"])
-            row["name"] += f" (peak {r['peak_mib']:.0f} MiB)"
+            peak = r.get("peak_mib")  # None when the run logged no "max memory" line
+            row["name"] += " (peak not logged)" if peak is None else f" (peak {peak:.0f} MiB)"
         rows.append(row)
     return rows
 

@@ -9,8 +9,8 @@ F ffn, F1 = 2F with SwiGLU else F, V padded vocabulary.
 Per transformer layer (no recompute):
 - each RMSNorm (2 per layer): its input as fp32 `4 s'bh`, the fp32 rstd `4 s'b`, the
   normalised tensor `e s'bh`, its output (kept by the next linear) `e s'bh`;
-  LayerNorm: input `4 s'bh`, mean + rstd `8 s'b`, output `e s'bh` (+ fp32 weight copy `4h`
-  in 16-bit);
+  LayerNorm: input `4 s'bh`, mean + rstd `8 s'b`, output `e s'bh` (+ in 16-bit the fp32
+  copies of its weight and bias `8h`, which layer_norm's backward keeps);
 - attention: the fused QKV output `e sb(nq+2ng)d/t` (RoPE and SDPA keep views of it);
   RoPE's rotated q and k `e sb(nq+ng)d/t` (+ in 16-bit the cos/sin casts `4 e s b_pos r`);
   with GQA the repeated k and v `2 e sb nq d/t`; SDPA's output `e sb nq d/t` (also the
@@ -25,17 +25,20 @@ log-sum-exp and the GQA repeats go. Full recompute keeps only each checkpoint's 
 rest as without recompute) plus the chunk's RoPE tables.
 Per chunk: RoPE cos/sin `2 x 4 s b_pos r` (b_pos = b where position ids come with the batch,
 the first stage; else 1) in fp32 models; embedding: the token batch `4 x 8 bs` (int64
-tokens/labels/mask/positions share one storage), with tp also the local ids `8 bs` and
-the foreign mask `bs`; output: final norm, fp32 softmax of the logits `4 s b V/t`, labels
-`8 bs`, the foreign-target mask `bs`, the loss mask `4 bs` and the token count.
+tokens/labels/mask/positions share one storage), with tp the local ids `8 bs` and the
+foreign mask `bs` instead, plus the batch again with learned positions (their lookup keeps
+the position ids, a view of it); output: final norm, fp32 softmax of the logits
+`4 s b V/t`, labels `8 bs`, the foreign-target mask `bs`, the loss mask `4 bs` and the
+token count.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .plan import MemoryPlan
-from .static import chunk_layers, is_first_chunk, is_last_chunk
+from .static import chunk_layers, chunk_parameters, is_first_chunk, is_last_chunk
 
 
 @dataclass
@@ -71,7 +74,7 @@ def _norm_bytes(plan: MemoryPlan, s_: int, b: int, e: int) -> int:
     h = plan.config.hidden_size
     if plan.config.normalization == "RMSNorm":
         return (4 + 2 * e) * s_ * b * h + 4 * s_ * b
-    return (4 + e) * s_ * b * h + 8 * s_ * b + (4 * h if e != 4 else 0)
+    return (4 + e) * s_ * b * h + 8 * s_ * b + (8 * h if e != 4 else 0)
 
 
 def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms:
@@ -171,7 +174,9 @@ def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int
       E' = E/ep);
     - experts: their input `e M h`, fc1 output `e M F1/etp`, activation `e M F/etp`
       (SwiGLU: silu(gate) and its product, `2 e M F/etp`);
-    - shared experts: a dense MLP of width F_s over tp."""
+    - shared experts: a dense MLP of width F_s over tp; gated (Qwen2-MoE), the product
+      `out * sigmoid(x g)` also keeps the shared output `e Th` and the gate `e T` (derived
+      from the autograd ops, not measured: the app has no flag for the gate)."""
     c, h = plan.config, plan.config.hidden_size
     k, n_exp, t = c.moe_router_topk, c.num_moe_experts, s_ * b
     rows, m = _routed_rows(plan, t)
@@ -182,6 +187,8 @@ def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int
     if shared:
         s_full = plan.seq_length // plan.cp
         mlp += e * s_full * b * (shared // plan.tp) * 2 * glu
+        if c.moe_shared_expert_gate:  # out * sigmoid(x g): the product keeps out and the gate
+            mlp += e * t * h + e * t
     router = 12 * t * k + (4 * t * h + 4 * n_exp * h if e != 4 else 0)
     if c.moe_token_dispatcher_type == "allgather":
         r, n_local = plan.etp * plan.ep * t, n_exp // plan.ep
@@ -208,10 +215,12 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     if c.position_embedding_type == "rope" and (e == 4 or c.recompute_granularity == "full"):
         out.rope = 2 * 4 * s * _pos_batch(plan, first) * c.rotary_dim
     if first:
-        # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask
+        # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask,
+        # and the batch storage when learned positions keep their ids (a view of it);
         # cp > 1 (tp = 1): the rank's int64 slice of the tokens `8 bs`
         if t > 1:
-            out.embedding = (8 + 1) * b * s
+            learned = c.position_embedding_type == "learned_absolute"
+            out.embedding = (8 + 1) * b * s + (4 * 8 * b * s if learned else 0)
         else:
             out.embedding = 8 * b * s if plan.cp > 1 else 4 * 8 * b * plan.seq_length
     stored = _stored_layers(plan, len(layers))
@@ -267,6 +276,36 @@ def korthikanti_per_layer(
     if sp:
         return s * b * h * (34 + attn) / t
     return s * b * h * (10 + 24 / t + attn / t)
+
+
+_TE_LINEAR = re.compile(
+    r"decoder\.layers\.\d+\.(self_attention\.linear_(qkv|proj)|mlp\.linear_fc[12])\.weight$"
+)
+
+
+def fp8_weight_copies(plan: MemoryPlan, pp_rank: int) -> int:
+    """Bytes of the FP8 weight copies one micro-batch keeps on stage `pp_rank`.
+
+    Our TE spec calls TE's Linear without `is_first_microbatch`, so TE (>= 1.8; we pin
+    >= 1.9) quantizes each weight at every forward into a new FP8 tensor, row-wise for the
+    forward GEMM plus its transpose for dgrad (Hopper), and saves it for that micro-batch's
+    backward: 2 bytes per weight element, held like an activation. TE linears are
+    linear_qkv, linear_proj, linear_fc2 and linear_fc1 except SwiGLU's fc1 at tp > 1 (its
+    strided split stays on tp-layers' linear); MoE experts, shared experts, the router,
+    embeddings and the output layer stay local (not FP8). The app refuses FP8 with
+    recomputation, so every layer keeps its copies."""
+    c = plan.config
+    if not c.fp8:
+        return 0
+    n = 0
+    for vp in range(plan.vpp):
+        for p in chunk_parameters(plan, pp_rank, vp):
+            if _TE_LINEAR.match(p.name) is None:
+                continue
+            if p.name.endswith("mlp.linear_fc1.weight") and c.gated_linear_unit and plan.tp > 1:
+                continue
+            n += p.numel
+    return 2 * n
 
 
 @dataclass

@@ -3,14 +3,16 @@
     pentatron-memory --preset gpt3-175b --world-size 1024 --tensor-model-parallel-size 8 \
         --pipeline-model-parallel-size 8 --sequence-parallel --use-distributed-optimizer \
         --recompute-granularity selective --bf16 --micro-batch-size 1 \
-        --global-batch-size 1536 --device-memory-gb 80 [--json] [--plot out.png]
+        --global-batch-size 1536 --device-memory-gb 79.6 [--json] [--plot out.png]
 
 Takes pentatron-pretrain's flags and `--config file.yaml` (the app's parser and
 `validate_args`, so an impossible layout fails with the app's message), or a `--preset` /
-`--hf-config` for the model, whose values the explicit flags override. MoE and context
-parallelism take the app's flags (`--num-experts`, `--moe-token-dispatcher-type`,
-`--expert-model-parallel-size`, `--context-parallel-size`, `--cp-comm-type`, ...) and its
-validation; a preset's MoE fields fill the MoE flags left at their defaults.
+`--hf-config` for the model. A preset's / HF config's values are defaults: any flag given
+on the command line or as a `--config` key wins, even when it equals the app's default.
+MoE and context parallelism take the app's flags (`--num-experts`,
+`--moe-token-dispatcher-type`, `--expert-model-parallel-size`, `--context-parallel-size`,
+`--cp-comm-type`, ...) and its validation; a preset's MoE fields fill the MoE flags not
+given. `--device-memory-gb` is in GiB (2^30 bytes).
 """
 
 from __future__ import annotations
@@ -36,31 +38,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--hf-config", default=None, help="a Hugging Face config.json")
     g.add_argument("--world-size", type=int, default=None, help="default: tp*pp*cp (dp 1)")
-    g.add_argument("--device-memory-gb", type=float, default=None)
+    g.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="memory per GPU in GiB (2**30 bytes, despite the name): nvidia-smi's MiB total "
+        "/ 1024, e.g. 79.6 for an H100 80GB; headroom = this - total",
+    )
     g.add_argument("--json", action="store_true", help="print the stages as JSON")
     g.add_argument("--plot", default=None, help="write a stacked bar chart (PNG)")
     return p
 
 
-def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Dests the user set on the command line (they override the preset)."""
-    sentinel = argparse.Namespace(**{a.dest: None for a in parser._actions})
-    parser.parse_known_args(argv, namespace=sentinel)
-    defaults = {a.dest: a.default for a in parser._actions}
-    return {k for k, v in vars(sentinel).items() if v is not None and v != defaults.get(k)}
-
-
-def parser_default(flag: str):
-    """The app's default for `flag` (a preset value replaces only a default)."""
-    return _parser().get_default(flag)
+def _given(parser: argparse.ArgumentParser, argv: list[str], yaml_keys: set[str]) -> set[str]:
+    """Dests the user gave: on the command line or as `--config` keys. They win over the
+    preset / HF config even when the value equals the parser default, so "given" is read
+    from the argv tokens (argparse's own matching, so `--flag=v` and abbreviations count)
+    into a namespace pre-filled with a marker, never by comparing values with defaults."""
+    unset = object()
+    marked = argparse.Namespace(**{a.dest: unset for a in parser._actions})
+    parser.parse_known_args(argv, namespace=marked)
+    return {k for k, v in vars(marked).items() if v is not unset} | yaml_keys
 
 
 def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
-    """Parse, apply preset/HF config, validate with the app's rules; the plan and args."""
+    """Parse, apply preset/HF config, validate with the app's rules; the plan and args.
+
+    Precedence: command line > `--config` YAML > preset / HF config > the app's defaults."""
     parser = _parser()
     first, _ = parser.parse_known_args(argv)
+    yaml_keys: set[str] = set()
     if first.config:
-        parser.set_defaults(**yaml_defaults(parser, first.config))
+        from_yaml = yaml_defaults(parser, first.config)
+        parser.set_defaults(**from_yaml)
+        yaml_keys = set(from_yaml)
+        first, _ = parser.parse_known_args(argv)  # --preset / --hf-config may be YAML keys
     model, moe = {}, {}
     if first.preset and first.hf_config:
         raise MemoryPlanError("--preset and --hf-config are exclusive; fix: pass one")
@@ -69,26 +81,37 @@ def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
     elif first.hf_config:
         model, moe = from_hf_config(first.hf_config)
     args = parser.parse_args(argv)
-    explicit = _explicit(parser, argv)
+    given = _given(parser, argv, yaml_keys)
+    if first.hf_config and "seq_length" not in given and "seq_length" in model:
+        print(
+            f"pentatron-memory: --seq-length not given; sizing s={model['seq_length']} "
+            "(max_position_embeddings of the config); pass --seq-length for a shorter "
+            "training sequence",
+            file=sys.stderr,
+        )
     for k, v in model.items():
-        if k not in explicit:
+        if k not in given:
             setattr(args, k, v)
-    return _validated(args, moe)
+    return _validated(args, moe, given)
 
 
-def _validated(args: argparse.Namespace, moe: dict) -> tuple[MemoryPlan, argparse.Namespace]:
+def _validated(
+    args: argparse.Namespace, moe: dict, given: set[str]
+) -> tuple[MemoryPlan, argparse.Namespace]:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp, ep = args.context_parallel_size, args.expert_model_parallel_size
     world = tp * pp * cp if args.world_size is None else args.world_size
     dp = derive_dp(world, tp, pp, cp, ep, args.expert_tensor_parallel_size or tp)
-    # A preset's / HF config's MoE fields fill the app's flags the command line left unset,
-    # so validate_args checks the whole MoE and cp layout with the app's own rules.
+    # A preset's / HF config's MoE fields fill the app's flags the user did not give, so
+    # validate_args checks the whole MoE and cp layout with the app's own rules.
     late = {}
     for field, value in moe.items():
         flag = "num_experts" if field == "num_moe_experts" else field
+        if flag in given:
+            continue
         if not hasattr(args, flag) or isinstance(value, list):
             late[field] = value  # e.g. a per-layer moe_layer_freq list: set on the config
-        elif getattr(args, flag) in (None, parser_default(flag)):
+        else:
             setattr(args, flag, value)
     if args.use_torch_fsdp2:
         raise MemoryPlanError(

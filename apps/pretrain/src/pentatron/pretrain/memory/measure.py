@@ -54,6 +54,7 @@ class _SavedTensorLedger:
         self.param_storages = param_storages
         self.per_mb: list[dict[int, int]] = []
         self.current: int | None = None
+        self.in_forward = False  # inside forward_step: an unpack there is a nested backward
         self.live: set[int] = set()
         self.peak, self.peak_count = 0, 0
 
@@ -80,6 +81,10 @@ class _SavedTensorLedger:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         mb, t = packed
+        if self.in_forward:
+            # A forward and backward nested in the model's forward (e.g. a kernel probe on
+            # first use): not the schedule's backward, so the micro-batch stays recorded.
+            return t
         self.current = None  # a backward is running: later packs are recomputation
         if mb in self.live:
             self._snapshot()  # loss_func's tensors were saved after forward_step returned
@@ -155,7 +160,11 @@ def measure(argv: list[str]) -> MeasuredMemory:
 
         def forward_step(data_iterator, model):
             ledger.start_forward()
-            return inner(data_iterator, model)
+            ledger.in_forward = True
+            try:
+                return inner(data_iterator, model)
+            finally:
+                ledger.in_forward = False
 
         pcfg = step.make_pipeline_config(args, chunks, grid, configs.pipeline_config)
         with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):

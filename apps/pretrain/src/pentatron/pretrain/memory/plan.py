@@ -39,6 +39,7 @@ class MemoryPlan:
     bucket_size: int | None = None  # resolved elements per bucket; None: one per buffer
     optimizer: str = "adam"
     name: str = "custom"
+    max_position_embeddings: int | None = None  # learned positions' table; None: seq_length
 
     @property
     def tp(self) -> int:
@@ -120,4 +121,5 @@ def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
         bucket_size=ddp.resolved_bucket_size(args.data_parallel_size),
         optimizer=args.optimizer,
+        max_position_embeddings=args.max_position_embeddings,
     )

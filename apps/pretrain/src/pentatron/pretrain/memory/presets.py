@@ -130,8 +130,17 @@ def preset(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict(flags), dict(moe)
 
 
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "deepseek_v2", "deepseek_v3")
+
+
+def _fail(path: str, key: str, value: Any, rule: str, fix: str) -> MemoryPlanError:
+    return MemoryPlanError(f"--hf-config={path}: {key}={value!r}: the rule: {rule}; fix: {fix}")
+
+
 def from_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Llama / Mistral / Mixtral / Qwen2-style `config.json` -> (flags, MoE fields)."""
+    """A Llama / Mistral / Mixtral / Qwen2 / Qwen2-MoE / DeepSeek-V2/V3 `config.json` ->
+    (flags, MoE fields). The sequence length is `max_position_embeddings` (the command
+    line's --seq-length wins); MoE is read from the experts' keys, never left dense."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -143,7 +152,29 @@ def from_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             f"--hf-config={path}: missing {missing}; the rule: a decoder-only HF config; "
             "fix: pass the model's config.json"
         )
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in HF_MODEL_TYPES:
+        raise _fail(
+            path,
+            "model_type",
+            model_type,
+            f"the calculator reads {list(HF_MODEL_TYPES)}",
+            "pass the model as flags (--num-layers, --hidden-size, ...) instead",
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise _fail(
+            path,
+            "hidden_act",
+            cfg["hidden_act"],
+            "these models' gated MLP is sized as SwiGLU, which needs silu",
+            "use a silu model, or pass the model as flags",
+        )
+    return _hf_flags(path, cfg, model_type), _hf_moe(cfg)
+
+
+def _hf_flags(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
     flags = {
         "num_layers": cfg["num_hidden_layers"],
         "hidden_size": cfg["hidden_size"],
@@ -153,21 +184,80 @@ def from_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         "kv_channels": cfg.get("head_dim"),
         "ffn_hidden_size": cfg.get("intermediate_size"),
         "vocab_size": cfg["vocab_size"],
-        "seq_length": min(cfg.get("max_position_embeddings", 4096), 4096),
         "normalization": "RMSNorm",
-        "swiglu": cfg.get("hidden_act", "silu") == "silu",
-        "disable_bias_linear": not cfg.get("mlp_bias", False),
-        "add_qkv_bias": bool(cfg.get("attention_bias", False)),
+        "swiglu": True,
         "position_embedding_type": "rope",
-        "rotary_base": float(cfg.get("rope_theta", 10000.0)),
+        "rotary_base": float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        **_hf_biases(path, cfg, model_type),
     }
-    moe = {}
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if experts:
-        moe = {
-            "num_moe_experts": experts,
-            "moe_router_topk": cfg.get("num_experts_per_tok", 2),
-            "moe_ffn_hidden_size": cfg.get("moe_intermediate_size") or flags["ffn_hidden_size"],
+    if cfg.get("max_position_embeddings"):
+        flags["seq_length"] = int(cfg["max_position_embeddings"])
+    if model_type.startswith("deepseek"):
+        # MLA sized as MHA over its query/key head dim (as the deepseek-v3 preset; the
+        # low-rank q/kv projections and the smaller KV activations are not modelled).
+        flags["num_query_groups"] = heads
+        flags["kv_channels"] = cfg.get("qk_nope_head_dim", 128) + cfg.get("qk_rope_head_dim", 64)
+    return flags
+
+
+def _hf_biases(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Qwen2 (and Qwen2-MoE) always have q, k, v biases and no others; Llama-style configs
+    put `attention_bias` on q, k, v and o, and `mlp_bias` on the MLP."""
+    if model_type in ("qwen2", "qwen2_moe"):
+        return {"disable_bias_linear": True, "add_qkv_bias": True}
+    attn, mlp = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    if attn != mlp:
+        raise _fail(
+            path,
+            "attention_bias",
+            attn,
+            f"with mlp_bias={mlp}: --disable-bias-linear puts biases on all four linears or "
+            "none (Megatron's add_bias_linear)",
+            "use attention_bias == mlp_bias, or pass the model as flags",
+        )
+    return {"disable_bias_linear": not attn, "add_qkv_bias": False}
+
+
+def _hf_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoE fields from whichever experts' keys the config has:
+    - DeepSeek: `n_routed_experts`, `moe_intermediate_size`, `n_shared_experts` shared
+      experts of that width, dense until `first_k_dense_replace`, then every
+      `moe_layer_freq`-th layer;
+    - Mixtral: `num_local_experts` of width `intermediate_size`, every layer;
+    - Qwen2-MoE: `num_experts` of width `moe_intermediate_size`, a gated shared expert of
+      `shared_expert_intermediate_size`, layers by `decoder_sparse_step` / `mlp_only_layers`.
+    """
+    n = cfg["num_hidden_layers"]
+    topk = cfg.get("num_experts_per_tok", 2)
+    if cfg.get("n_routed_experts"):
+        k, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1) or 1
+        width = cfg["moe_intermediate_size"]
+        return {
+            "num_moe_experts": cfg["n_routed_experts"],
+            "moe_router_topk": topk,
+            "moe_ffn_hidden_size": width,
+            "moe_shared_expert_intermediate_size": (cfg.get("n_shared_experts") or 0) * width
+            or None,
+            "moe_layer_freq": [int(i >= k and i % freq == 0) for i in range(n)],
         }
-    return flags, moe
+    if cfg.get("num_local_experts"):
+        return {
+            "num_moe_experts": cfg["num_local_experts"],
+            "moe_router_topk": topk,
+            "moe_ffn_hidden_size": cfg["intermediate_size"],
+        }
+    if cfg.get("num_experts"):
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+        shared = cfg.get("shared_expert_intermediate_size") or None
+        moe = {
+            "num_moe_experts": cfg["num_experts"],
+            "moe_router_topk": topk,
+            "moe_ffn_hidden_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            "moe_shared_expert_intermediate_size": shared,
+            "moe_layer_freq": [int(i not in dense and (i + 1) % step == 0) for i in range(n)],
+        }
+        if shared:
+            moe["moe_shared_expert_gate"] = True  # Qwen2-MoE's sigmoid gate [1, h]
+        return moe
+    return {}

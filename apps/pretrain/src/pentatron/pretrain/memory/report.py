@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .activations import korthikanti_per_layer, stage_activations
+from .activations import fp8_weight_copies, korthikanti_per_layer, stage_activations
 from .plan import MemoryPlan
-from .static import chunk_layers, chunk_parameters, static_bytes
+from .static import chunk_layers, static_bytes
 
 GIB = 1024**3
 
@@ -24,7 +24,7 @@ class StageMemory:
     grads_bytes: int
     main_params_bytes: int
     optimizer_bytes: int
-    fp8_weight_cache_bytes: int
+    fp8_weight_cache_bytes: int  # TE's FP8 weight copies, per micro-batch in flight
     activations_bytes: int
     comm_buffers_bytes: int
     total_bytes: int
@@ -32,19 +32,6 @@ class StageMemory:
     activations_per_microbatch: dict[str, int] = field(default_factory=dict)
     korthikanti_activations_bytes: int = 0
     headroom_bytes: int | None = None
-
-
-def _fp8_cache(plan: MemoryPlan, pp_rank: int) -> int:
-    """Transformer-engine keeps an fp8 copy and its transpose of each linear weight: 2 bytes
-    per linear weight element (norms and embeddings stay in the params dtype)."""
-    if not plan.config.fp8:
-        return 0
-    n = 0
-    for vp in range(plan.vpp):
-        for p in chunk_parameters(plan, pp_rank, vp):
-            if p.name.endswith(".weight") and ("linear_" in p.name):
-                n += p.numel
-    return 2 * n
 
 
 def _comm_buffers(plan: MemoryPlan) -> int:
@@ -79,7 +66,9 @@ def korthikanti_stage(plan: MemoryPlan, pp_rank: int) -> int:
 def stage_memory(plan: MemoryPlan, pp_rank: int, device_bytes: int | None = None) -> StageMemory:
     st = static_bytes(plan, pp_rank)
     act = stage_activations(plan, pp_rank)
-    fp8, comm = _fp8_cache(plan, pp_rank), _comm_buffers(plan)
+    # FP8 weight copies live from a micro-batch's forward to its backward, like activations
+    fp8 = int(fp8_weight_copies(plan, pp_rank) * act.in_flight)
+    comm = _comm_buffers(plan)
     total = (
         st.weights_bytes
         + st.grads_bytes
@@ -118,20 +107,21 @@ COLUMNS = (
     ("grads", "grads_bytes"),
     ("main fp32", "main_params_bytes"),
     ("optimizer", "optimizer_bytes"),
-    ("fp8 cache", "fp8_weight_cache_bytes"),
+    ("fp8 weights", "fp8_weight_cache_bytes"),
     ("activations", "activations_bytes"),
     ("comm", "comm_buffers_bytes"),
 )
 
 
 def print_table(plan: MemoryPlan, stages: list[StageMemory]) -> None:
-    """A rich table (GiB per rank) with the activation breakdown per micro-batch."""
+    """A rich table (GiB = 2^30 bytes, per rank) with the activations per micro-batch."""
     from rich.console import Console
     from rich.table import Table
 
     title = (
         f"{plan.name}: tp={plan.tp} pp={plan.pp} vpp={plan.vpp} dp={plan.dp} cp={plan.cp} "
-        f"ep={plan.ep} m={plan.num_microbatches} (GiB per rank)"
+        f"ep={plan.ep} m={plan.num_microbatches}; GiB (2^30 bytes) per rank; headroom = "
+        "--device-memory-gb (GiB) - total"
     )
     t = Table(title=title)
     for col in ("stage", "params", *(c for c, _ in COLUMNS), "in flight", "total", "headroom"):

@@ -71,7 +71,7 @@ def _dense_mlp(plan: MemoryPlan, p: str, ffn: int) -> list[ParamSpec]:
 
 def _moe(plan: MemoryPlan, p: str) -> list[ParamSpec]:
     """Router [E, h]; experts stacked [E/ep, F1/etp, h] and [E/ep, h, F/etp] (+ biases);
-    shared experts a dense MLP split over tp."""
+    shared experts a dense MLP split over tp (+ its gate [1, h] when gated)."""
     c = plan.config
     e_local, f = c.num_moe_experts // plan.ep, c.moe_ffn_size
     f1 = f * (2 if c.gated_linear_unit else 1)
@@ -85,6 +85,8 @@ def _moe(plan: MemoryPlan, p: str) -> list[ParamSpec]:
         out.append(ParamSpec(f"{p}.experts.linear_fc2.bias", e_local * h, True))
     if c.moe_shared_expert_intermediate_size:
         out += _dense_mlp(plan, f"{p}.shared_experts", c.moe_shared_expert_intermediate_size)
+        if c.moe_shared_expert_gate:  # Qwen2-MoE's sigmoid gate, replicated over tp
+            out.append(ParamSpec(f"{p}.shared_experts.gate_weight", h))
     return out
 
 
@@ -112,7 +114,8 @@ def chunk_parameters(plan: MemoryPlan, pp_rank: int, vp: int) -> list[ParamSpec]
     if first:
         out.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, False, tied))
         if c.position_embedding_type == "learned_absolute":
-            out.append(ParamSpec("embedding.position_embeddings.weight", plan.seq_length * h))
+            positions = plan.max_position_embeddings or plan.seq_length
+            out.append(ParamSpec("embedding.position_embeddings.weight", positions * h))
     moe = c.moe_layer_pattern() if c.is_moe else [False] * c.num_layers
     for i, layer in enumerate(chunk_layers(plan, pp_rank, vp)):
         p = f"decoder.layers.{i}"
