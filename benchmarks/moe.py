@@ -3,8 +3,9 @@ MixtralSparseMoeBlock on the same input and weights (single process, forward + b
 
 Prints `grouped / sequential` (expert compute only, the same permuted tokens) and
 `ours / transformers` (the whole layer: router, permute, experts, combine), medians over
-`--reps` interleaved repeats after warm-up. Asserts first that the outputs agree. On CPU
-(or without bf16 SM90) GroupedMLP falls back to the same loop, so that ratio is ~1.
+`--reps` interleaved repeats after warm-up. Asserts first that the outputs agree. GroupedMLP
+runs torch._grouped_mm wherever torch has it for the device and dtype (CUDA bf16 SM90+, CPU
+fp32/bf16 on recent torch; `grouped_mm=` says which) and otherwise the same loop (ratio ~1).
 
     python benchmarks/moe.py [--hidden 256 --ffn 512 --experts 8 --topk 2 --tokens 2048
                               --reps 10 --device cpu|cuda --dtype fp32|bf16 --threads 0]
@@ -96,7 +97,7 @@ def main() -> None:
     args = _args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pentatron.models.moe import GroupedMLP, SequentialMLP, grouped_mm_supported, permute
+    from pentatron.models.moe import GroupedMLP, SequentialMLP, permute
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config, ours, theirs = _build(args, device, dtype)
@@ -125,7 +126,7 @@ def main() -> None:
         args.warmup,
         device,
     )
-    print(f"device={device} dtype={args.dtype} grouped_mm={grouped_mm_supported(permuted)}")
+    print(f"device={device} dtype={args.dtype} grouped_mm={grouped.use_grouped_mm(permuted)}")
     print(f"experts: grouped {t_grp * 1e3:.2f} ms, sequential {t_seq * 1e3:.2f} ms, "
           f"ratio = grouped / sequential = {t_grp / t_seq:.3f}")  # fmt: skip
     print(f"layer: ours {t_ours * 1e3:.2f} ms, transformers {t_hf * 1e3:.2f} ms, "

@@ -1,34 +1,12 @@
-"""Shared pieces of the MoE tests: a small MoE config and a stand-in router used only when
-`pentatron.models.moe.router` is not there yet."""
+"""Shared pieces of the MoE tests: a small MoE config and the local GPT spec with the
+real `TopKRouter` (imported directly: a missing router must fail the tests, not be
+replaced by a stand-in)."""
 
 from __future__ import annotations
 
-import torch
 from _gpt import small_config
 
-try:
-    from pentatron.models.moe.router import TopKRouter
-except ImportError:  # pragma: no cover - until the router lands
-
-    class TopKRouter(torch.nn.Module):  # type: ignore[no-redef]
-        """Softmax top-k over `weight [E, h]`; probs zero off route (stand-in)."""
-
-        def __init__(self, config, layer_number: int = 1, tp_cp_group=None) -> None:
-            super().__init__()
-            self.config = config
-            e, h = config.num_moe_experts, config.hidden_size
-            self.weight = torch.nn.Parameter(torch.empty(e, h))
-            torch.nn.init.normal_(self.weight, std=config.init_method_std)
-            if config.sequence_parallel:
-                self.weight.sequence_parallel = True
-
-        def forward(self, hidden):
-            logits = hidden.reshape(-1, hidden.size(-1)) @ self.weight.t()
-            scores = torch.softmax(logits.float(), dim=-1)
-            top, idx = scores.topk(self.config.moe_router_topk, dim=-1)
-            routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
-            probs = torch.zeros_like(scores).scatter(1, idx, top)
-            return probs, routing_map
+from pentatron.models.moe.router import TopKRouter
 
 
 def moe_config(**overrides):
@@ -44,7 +22,7 @@ def moe_config(**overrides):
 
 
 def moe_spec():
-    """The local GPT spec with this module's router (the real TopKRouter once it exists)."""
+    """The local GPT spec with the MoE layer's router set explicitly to `TopKRouter`."""
     from pentatron.models import get_gpt_layer_local_spec
     from pentatron.models.moe.moe_layer import MoESubmodules
 

@@ -1,4 +1,4 @@
-"""Single-process MoE tests: permute/unpermute, grouped == sequential experts, the MoE layer
+"""Single-process MoE tests: permute/unpermute, grouped GEMM == sequential experts, the MoE layer
 against a per-token loop, shared experts, GPT integration, expert sharding, bad input."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _gpt import VOCAB, S, small_config
-from _moe import TopKRouter, moe_config, moe_spec
+from _moe import moe_config, moe_spec
 
 from pentatron.models import GPTModel, get_gpt_layer_local_spec, merge_shards, shard_full_tensor
-from pentatron.models.moe.experts import GroupedMLP, SequentialMLP
+from pentatron.models.moe.experts import GroupedMLP, SequentialMLP, grouped_mm_supported
 from pentatron.models.moe.moe_layer import MoELayer, MoESubmodules
 from pentatron.models.moe.permute import permute, unpermute
+from pentatron.models.moe.router import TopKRouter
 from pentatron.tp_layers import init_method_normal
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -71,19 +72,82 @@ def _experts(cls, config, seed=0):
     return cls(config, config.num_moe_experts, init_method=init, output_layer_init_method=init)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_grouped_equals_sequential(activation):
-    config = moe_config(activation=activation)
-    seq, grp = _experts(SequentialMLP, config), _experts(GroupedMLP, config)
+def _stacked_pair(config, etp_rank=0, etp_size=1):
+    """SequentialMLP and GroupedMLP holding the same stacked parameters (random biases)."""
+    init = init_method_normal(0.1)
+    torch.manual_seed(0)
+    seq = SequentialMLP(
+        config,
+        config.num_moe_experts,
+        etp_rank=etp_rank,
+        etp_size=etp_size,
+        init_method=init,
+        output_layer_init_method=init,
+    )
+    with torch.no_grad():
+        for p in seq.parameters():
+            if p.dim() == 2:  # biases start at zero: make them count
+                p.normal_(0.0, 0.1)
+    grp = GroupedMLP(config, config.num_moe_experts, etp_rank=etp_rank, etp_size=etp_size)
     grp.load_state_dict(seq.state_dict())
-    counts = [3, 0, 5, 1, 2, 0, 4, 1]
-    x = torch.randn(sum(counts), config.hidden_size, requires_grad=True)
-    a, b = seq(x, counts), grp(x, counts)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
-    ga = torch.autograd.grad(a.square().sum(), [x, *seq.parameters()])
-    gb = torch.autograd.grad(b.square().sum(), [x, *grp.parameters()])
-    for u, v in zip(ga, gb):
-        torch.testing.assert_close(u, v, rtol=0, atol=0)
+    return seq, grp
+
+
+def _output_and_grads(module, x, counts, loss):
+    x = x.detach().clone().requires_grad_(True)
+    out = module(x, counts)
+    params = [x, *module.parameters()]
+    value = out.sum() if loss == "sum" else out.square().sum()  # "sum": zero-stride grad
+    return out, torch.autograd.grad(value, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("etp_rank, etp_size", [(0, 1), (0, 2), (1, 2)])
+@pytest.mark.parametrize("loss", ["square", "sum"])
+def test_grouped_gemm_equals_sequential(activation, bias, etp_rank, etp_size, loss):
+    """fp32, rtol 1e-5 / atol 1e-6 (the GEMMs may sum in another order): the output and the
+    grads of the input and of every stacked parameter, with empty experts (zero tokens)
+    first, inside and last, at the etp shard shapes."""
+    config = moe_config(activation=activation, add_bias_linear=bias)
+    seq, grp = _stacked_pair(config, etp_rank, etp_size)
+    counts = [0, 3, 0, 5, 1, 2, 4, 0]
+    x = torch.randn(sum(counts), config.hidden_size)
+    if not grouped_mm_supported(x):
+        pytest.skip("this torch build has no torch._grouped_mm for CPU fp32")
+    assert grp.use_grouped_mm(x)  # the grouped kernel really runs
+    a, ga = _output_and_grads(seq, x, counts, loss)
+    b, gb = _output_and_grads(grp, x, counts, loss)
+    torch.testing.assert_close(b, a, **TOL)
+    names = ["input", *(n for n, _ in seq.named_parameters())]
+    for name, u, v in zip(names, ga, gb, strict=True):
+        if u is None:  # fc2's bias on etp rank 1: added on etp rank 0 only
+            assert v is None and name == "linear_fc2.bias" and etp_rank == 1
+            continue
+        torch.testing.assert_close(v, u, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    empty = torch.tensor(counts) == 0
+    for u in ga[1:]:  # the experts without tokens get exactly zero grad on both paths
+        if u is not None:
+            assert not u[empty].any()
+
+
+def test_grouped_falls_back_to_the_identical_loop():
+    """Where _grouped_mm cannot run (fp64, or rows not 16-byte aligned) GroupedMLP is the
+    loop: bit-identical to SequentialMLP."""
+    for config in (
+        moe_config(params_dtype=torch.float64),
+        moe_config(moe_ffn_hidden_size=6),  # fc2 input rows of 6 * 4 bytes
+    ):
+        seq, grp = _stacked_pair(config)
+        dtype = config.params_dtype
+        counts = [3, 0, 5, 1, 2, 0, 4, 1]
+        x = torch.randn(sum(counts), config.hidden_size, dtype=dtype)
+        assert not grp.use_grouped_mm(x)
+        a, ga = _output_and_grads(seq, x, counts, "square")
+        b, gb = _output_and_grads(grp, x, counts, "square")
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        for u, v in zip(ga, gb, strict=True):
+            torch.testing.assert_close(v, u, rtol=0, atol=0)
     with pytest.raises(ValueError, match="tokens_per_expert"):
         seq(x, counts[:-1])
 

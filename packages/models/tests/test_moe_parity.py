@@ -1,6 +1,7 @@
 """Acceptance: expert-parallel parity of a 2-layer MoE GPT (8 experts, top-2, SwiGLU with
 biases, aux loss 1e-2 and z-loss 1e-3) on 4 gloo ranks against one process, fp32,
-rtol 1e-5 / atol 1e-6: per-token losses and every gradient (tp/ep/etp shards merged).
+rtol 1e-5 / atol 1e-6: per-token losses, the per-layer aux and z losses the tracker
+collects (`collect_moe_aux_losses`), and every gradient (tp/ep/etp shards merged).
 
 ep is carved out of dp, so ranks of one ep group hold different micro-batches: dp rank d
 trains on its own M micro-batches; the reference runs all dp ranks' micro-batches one
@@ -9,12 +10,14 @@ of each scaled by 1/(M dp) and the aux-loss grad scale 1/(M dp) - what the pipel
 1/M plus DDP's mean over dp give. Distributed grads are finalized like DDP: dense grads
 all-reduced over dp-cp, expert grads (`allreduce=False`) over edp, both divided by dp.
 
-Layouts (tp, pp, ep, etp, dispatcher, grouped, capacity factor) on world 4:
-  tp1 pp1 ep2 etp1 alltoall seq | tp1 pp1 ep4 etp1 allgather grouped
-  tp1 pp1 ep2 etp1 allgather seq | tp2 pp1 ep2 etp2 alltoall grouped
-  tp2 pp1 ep2 etp1 alltoall seq | tp2 pp1 ep1 etp2 allgather seq
-  tp1 pp2 ep2 etp1 alltoall grouped | tp2 pp2 ep1 etp2 alltoall seq
-  capacity 1.0 with dropping, tp1 ep2: alltoall, and allgather padded to capacity.
+Layouts: ep in {1, 2, 4}, etp in {1, 2}, tp in {1, 2}, pp in {1, 2}, each dispatcher with
+grouped-GEMM (really `torch._grouped_mm` on CPU fp32) and sequential experts; see LAYOUTS.
+
+Capacity (factor 1.0, token dropping; the reference must drop > 0 assignments) is tested
+at tp = 1 only: capacity is per rank over the tokens that rank routes (as Megatron), and
+with tp > 1 + sequence parallelism each rank routes s/t tokens, so its drops differ from
+one process routing all s. At tp = 1 every router sees the reference's token set (ep ranks
+route their own micro-batches, pp stages the whole micro-batch), so dropping must match.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from pentatron.models import (
     merge_shards,
     sync_grads,
 )
+from pentatron.models.moe.aux_tracker import collect_moe_aux_losses
+from pentatron.models.moe.experts import GroupedMLP
 from pentatron.models.moe.load_balancing import set_aux_loss_scale
+from pentatron.models.moe.router import TopKRouter
 from pentatron.parallel_state import (
     ParallelConfig,
     comm,
@@ -52,15 +58,24 @@ from pentatron.tp_layers import model_parallel_seed
 WORLD, M = 4, 2
 LAYOUTS = [  # (tp, pp, ep, etp, dispatcher, grouped, capacity_factor, pad)
     (1, 1, 2, 1, "alltoall", False, None, False),
+    (1, 1, 4, 1, "alltoall", False, None, False),
     (1, 1, 4, 1, "allgather", True, None, False),
     (1, 1, 2, 1, "allgather", False, None, False),
+    (1, 1, 2, 2, "allgather", True, None, False),
     (2, 1, 2, 2, "alltoall", True, None, False),
     (2, 1, 2, 1, "alltoall", False, None, False),
     (2, 1, 1, 2, "allgather", False, None, False),
     (1, 2, 2, 1, "alltoall", True, None, False),
+    (1, 2, 2, 1, "allgather", False, None, False),
     (2, 2, 1, 2, "alltoall", False, None, False),
+    (2, 2, 2, 1, "allgather", True, None, False),
+    # capacity 1.0 with dropping (tp = 1: see the module docstring)
     (1, 1, 2, 1, "alltoall", False, 1.0, False),
+    (1, 1, 2, 1, "alltoall", True, 1.0, True),
+    (1, 1, 2, 2, "alltoall", True, 1.0, False),
+    (1, 1, 4, 1, "allgather", False, 1.0, False),
     (1, 1, 2, 1, "allgather", False, 1.0, True),
+    (1, 2, 2, 1, "alltoall", False, 1.0, True),
 ]
 
 
@@ -89,6 +104,20 @@ def _data(dp):
     return [microbatches(M, seed=10 + d) for d in range(dp)]
 
 
+def _count_drops(model, dropped: list[int]):
+    """Hooks on every router adding the assignments top-k chose but the routing map lacks
+    (top-k of the logits, computed here: softmax keeps the order)."""
+
+    def hook(router, inputs, outputs):
+        tokens = inputs[0].reshape(-1, inputs[0].size(-1))
+        logits = tokens.float() @ router.weight.float().t()
+        top = logits.topk(router.config.moe_router_topk, dim=-1).indices
+        routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+        dropped.append(int((routed & ~outputs[1]).sum()))
+
+    return [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, TopKRouter)]
+
+
 def _reference(layout):
     config = dataclasses.replace(
         _config(layout),
@@ -101,7 +130,8 @@ def _reference(layout):
     torch.manual_seed(0)
     model = GPTModel(config, moe_spec(), VOCAB, S, make_vocab_size_divisible_by=DIVISIBLE_BY)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    dp = _dp(layout)
+    dp, dropped = _dp(layout), []
+    hooks = _count_drops(model, dropped)
     set_aux_loss_scale(1.0 / (M * dp))
     losses = []
     for batches in _data(dp):
@@ -112,8 +142,11 @@ def _reference(layout):
             per_rank.append(loss.detach())
         losses.append(per_rank)
     set_aux_loss_scale(1.0)
+    for h in hooks:
+        h.remove()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return state, losses, grads
+    aux = collect_moe_aux_losses(model)
+    return state, losses, grads, aux, sum(dropped)
 
 
 def _finalize(grid, dp):
@@ -164,13 +197,27 @@ def _case(layout, state):
             grid=grid,
         )
         set_aux_loss_scale(1.0)
+        aux = collect_moe_aux_losses(chunks, grid)  # collective over pp and tp-dp-cp
+        probe = torch.empty(1, config.hidden_size)
+        grouped_mm = [
+            m.use_grouped_mm(probe)
+            for c in chunks
+            for m in c.modules()
+            if isinstance(m, GroupedMLP)
+        ]
         grads = {
             global_param_name(n, c.layer_offset): p.grad.clone()
             for c in chunks
             for n, p in c.named_parameters()
         }
         ranks = {k: grid.rank(k) for k in ("tp", "dp", "ep", "etp")}
-        return {"ranks": ranks, "losses": list(losses), "grads": grads}
+        return {
+            "ranks": ranks,
+            "losses": list(losses),
+            "grads": grads,
+            "aux": aux,
+            "grouped_mm": grouped_mm,
+        }
     finally:
         destroy_model_parallel(grid)
 
@@ -200,13 +247,19 @@ def _merged(results, layout):
     }
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=lambda i: "-".join(map(str, LAYOUTS[i])))
+def _name(index):
+    return "-".join(map(str, LAYOUTS[index]))
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=_name)
 def test_losses_and_grads_match_single_process(parity, index):
     refs, results = parity
-    _, ref_losses, ref_grads = refs[index]
+    _, ref_losses, ref_grads, _, _ = refs[index]
     results = results[index]
     last = [r for r in results if r["losses"]]
     assert last
+    if LAYOUTS[index][5]:  # grouped: every rank's MoE layers run torch._grouped_mm
+        assert all(r["grouped_mm"] and all(r["grouped_mm"]) for r in results)
     for r in last:
         for got, want in zip(r["losses"], ref_losses[r["ranks"]["dp"]], strict=True):
             torch.testing.assert_close(got, want, **TOL)
@@ -218,3 +271,27 @@ def test_losses_and_grads_match_single_process(parity, index):
     assert sorted(grads) == sorted(ref_grads)
     for name, want in ref_grads.items():
         torch.testing.assert_close(grads[name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=_name)
+def test_aux_and_z_losses_match_single_process(parity, index):
+    """Every rank's collected per-layer losses [num_layers] equal the reference's (the mean
+    over all M * dp micro-batches of each layer's load-balancing and z loss)."""
+    refs, results = parity
+    ref_aux = refs[index][3]
+    assert set(ref_aux) == {"load_balancing_loss", "z_loss"}
+    assert all((v > 0).all() for v in ref_aux.values())  # both layers recorded both
+    for r in results[index]:
+        assert set(r["aux"]) == set(ref_aux)
+        for name, want in ref_aux.items():
+            torch.testing.assert_close(
+                r["aux"][name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+@pytest.mark.parametrize(
+    "index", [i for i, lay in enumerate(LAYOUTS) if lay[6] is not None], ids=_name
+)
+def test_capacity_layouts_really_drop_tokens(parity, index):
+    refs, _ = parity
+    assert refs[index][4] > 0  # assignments dropped in the one-process run

@@ -13,7 +13,7 @@ import torch
 from pentatron.models import ModelConfigError, TransformerConfig
 from pentatron.models.moe.aux_tracker import collect_moe_aux_losses, reset_moe_aux_losses
 from pentatron.models.moe.capacity import drop_tokens, get_capacity
-from pentatron.models.moe.expert_bias import update_expert_bias
+from pentatron.models.moe.expert_bias import reset_expert_bias_counts, update_expert_bias
 from pentatron.models.moe.load_balancing import set_aux_loss_scale
 from pentatron.models.moe.router import TopKRouter
 from pentatron.parallel_state import (
@@ -373,6 +373,51 @@ def test_expert_bias_counts_and_update_one_process() -> None:
     expect = 0.01 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(router.expert_bias.double(), expect.float().double())
     assert not router.local_tokens_per_expert.any()
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_expert_bias_counts_kept_assignments_not_padding(pad: bool) -> None:
+    """Counts = the routed assignments kept after capacity dropping (Megatron's post-drop
+    routing map), never padding slots: with padding every expert would count exactly
+    capacity and the bias could not move."""
+    router = make_router(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="none",
+        moe_expert_capacity_factor=0.5,
+        moe_pad_expert_input_to_capacity=pad,
+        init_method_std=2.0,
+    )
+    router.expert_bias.copy_(torch.linspace(-0.3, 0.3, E))
+    bias, x = router.expert_bias.double(), hidden(s=12)
+    _, rmap = router(x)
+    logits = x.reshape(-1, H) @ router.weight.detach().T
+    ref_p, ref_m = ref_routing(logits, router.config, bias)
+    capacity = -(-(x.shape[0] * x.shape[1] * 2) // (2 * E))  # ceil(T k / E * 0.5)
+    _, kept = brute_force_drop(ref_p, ref_m, capacity, "probs")
+    want = kept.sum(0).double()
+    assert (want < ref_m.sum(0)).any()  # tokens were dropped
+    if pad:
+        assert (rmap.sum(0) == capacity).all() and (want != capacity).any()
+    torch.testing.assert_close(router.local_tokens_per_expert.double(), want, rtol=0, atol=0)
+    update_expert_bias([router])
+    step = (router.expert_bias.double() - bias) / 1e-3
+    torch.testing.assert_close(step, torch.sign(want.mean() - want), rtol=0, atol=1e-3)
+    assert step.abs().sum() > 0
+
+
+def test_skipped_step_counts_do_not_leak() -> None:
+    """A skipped step resets the counts; the next update sees only its own step."""
+    router = make_router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    router(hidden(seed=1))  # the skipped step
+    assert reset_expert_bias_counts([router]) == 1
+    assert not router.local_tokens_per_expert.any() and not router.expert_bias.any()
+    _, rmap = router(hidden(seed=2))
+    counts = rmap.sum(0).double()
+    update_expert_bias([router])
+    expect = (1e-3 * torch.sign(counts.mean() - counts)).float()
+    assert torch.equal(router.expert_bias, expect)
+    assert reset_expert_bias_counts(torch.nn.Linear(2, 2)) == 0  # no bias routers
 
 
 # --- two ranks -------------------------------------------------------------------------------

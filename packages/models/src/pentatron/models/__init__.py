@@ -37,7 +37,7 @@ from .layer_specs import get_gpt_layer_local_spec, get_gpt_layer_te_spec
 from .mlp import MLP, MLPSubmodules
 from .moe import GroupedMLP, MoELayer, MoESubmodules, SequentialMLP, SharedExpertMLP
 from .moe.aux_tracker import collect_moe_aux_losses, reset_moe_aux_losses
-from .moe.expert_bias import update_expert_bias
+from .moe.expert_bias import reset_expert_bias_counts, update_expert_bias
 from .moe.load_balancing import get_aux_loss_scale, set_aux_loss_scale
 from .moe.router import TopKRouter
 from .norm import LayerNorm, Norm, RMSNorm
@@ -85,6 +85,7 @@ __all__ = [
     "get_aux_loss_scale",
     "reset_moe_aux_losses",
     "set_aux_loss_scale",
+    "reset_expert_bias_counts",
     "update_expert_bias",
     "HAVE_TE",
     "MLP",

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from pentatron.models import collect_moe_aux_losses, reset_moe_aux_losses, update_expert_bias
+from pentatron.models import (
+    collect_moe_aux_losses,
+    reset_expert_bias_counts,
+    reset_moe_aux_losses,
+    update_expert_bias,
+)
 from pentatron.optim import finalize_model_grads
 from pentatron.parallel_state import ProcessGrid, comm
 from pentatron.pipeline import PipelineConfig, get_forward_backward_func
@@ -132,10 +137,10 @@ def train_step(
     loss = reduce_losses(reduced, grid)
     moe = _moe_losses(args, chunks, grid)
     if not finite:
+        _expert_bias_step(args, chunks, grid, applied=False)
         return StepOutput(loss, False, False, None, None, None, moe)
     result = optimizer.step()
-    if getattr(args, "num_experts", None):
-        update_expert_bias(chunks, grid.group("tp-dp-cp"))
+    _expert_bias_step(args, chunks, grid, applied=result.update_successful)
     return StepOutput(
         loss,
         True,
@@ -145,6 +150,17 @@ def train_step(
         result.loss_scale,
         moe,
     )
+
+
+def _expert_bias_step(args, chunks, grid: ProcessGrid, applied: bool) -> None:
+    """MoE aux-loss-free balancing: move the expert biases after an applied update (the same
+    on every rank), else drop this step's counts so they never reach the next update."""
+    if not getattr(args, "num_experts", None):
+        return
+    if applied:
+        update_expert_bias(chunks, grid.group("tp-dp-cp"))
+    else:
+        reset_expert_bias_counts(chunks)
 
 
 def _moe_losses(args, chunks, grid: ProcessGrid) -> dict[str, list[float]] | None:

@@ -7,6 +7,10 @@ optimizer step towards under-loaded experts.
 The bias only changes which experts are chosen, never the probs. Every rank of `group`
 (the app passes grid.group("tp-dp-cp"): all ranks holding the same layers) applies the
 same update to the same bias, so the biases stay identical without a broadcast.
+
+The counts are the assignments kept after capacity dropping, without padding slots (see
+`router.py`). A skipped step (non-finite loss or grads) must call
+`reset_expert_bias_counts` instead, so its counts do not leak into the next update.
 """
 
 from __future__ import annotations
@@ -47,5 +51,14 @@ def update_expert_bias(model_chunks: Any, group: Any = None) -> int:
     for router, delta in zip(routers, torch.sign(offset)):
         rate = router.config.moe_router_bias_update_rate
         router.expert_bias.data = router.expert_bias.data.float() + rate * delta
+    return reset_expert_bias_counts(routers)
+
+
+@torch.no_grad()
+def reset_expert_bias_counts(model_chunks: Any) -> int:
+    """Zero every bias router's counts without touching the bias (a skipped step); returns
+    how many routers. Local: no communication."""
+    routers = _bias_routers(model_chunks)
+    for router in routers:
         router.local_tokens_per_expert.zero_()
     return len(routers)

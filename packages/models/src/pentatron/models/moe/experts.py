@@ -12,8 +12,10 @@ Every parameter carries `allreduce = False` (reduced over expert data parallel, 
     x [N, h] (expert-major, tokens_per_expert[e] rows each) -> [N, h] (etp-partial sums)
 
 `SequentialMLP` loops over experts; `GroupedMLP` runs one `torch._grouped_mm` per linear
-when the device and dtype support it (CUDA, bf16) and otherwise the same loop, so both give
-the same numbers on CPU and load the same checkpoint.
+wherever torch runs it (probed once per device and dtype: CUDA bf16 on SM90+; CPU fp32 and
+bf16 in recent builds, e.g. 2.13) and the rows are 16-byte aligned, and otherwise the same
+loop with identical numerics. Both load the same checkpoint; the grouped path agrees with the
+loop to fp32 rounding (bias added after the GEMM instead of inside it).
 """
 
 from __future__ import annotations
@@ -132,31 +134,90 @@ class SequentialMLP(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
 
+_GROUPED_MM_OK: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny `_grouped_mm` forward and backward on (device, dtype); False if it raises.
+
+    Grad mode is forced on: the first call may come from an eval or no_grad pass.
+    """
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            return _grouped_mm_round_trip(device, dtype)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _grouped_mm_round_trip(device: torch.device, dtype: torch.dtype) -> bool:
+    x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+    offs = torch.tensor([1, 3], device=device, dtype=torch.int32)
+    y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    y.backward(torch.ones_like(y))
+    return True
+
+
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on CUDA with bf16 (SM90+); elsewhere use the loop."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
+    """Does torch._grouped_mm run forward and backward on x's device and dtype?
+
+    Probed once per (device, dtype) and cached: the kernels' coverage changes between torch
+    builds (CUDA bf16 on SM90+; CPU fp32/bf16 in recent ones), so asking is more reliable
+    than a version table. The probe launches kernels: the first call belongs in an eager
+    (warm-up) pass, not inside a CUDA-graph capture.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    key = (x.device.type, x.device.index, x.dtype)
+    if key not in _GROUPED_MM_OK:
+        _GROUPED_MM_OK[key] = _probe_grouped_mm(x.device, x.dtype)
+    return _GROUPED_MM_OK[key]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming grad contiguous: `_grouped_mm`'s backward
+    rejects a zero-stride grad (e.g. the broadcast ones of `.sum().backward()`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`x [N, in]` expert-major (group e ends at row offs[e]), `weight [E, out, in]`
+    -> `[N, out]`: each group times its expert's weight transposed."""
+    out = torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offs)
+    return _ContiguousGrad.apply(out)
 
 
 class GroupedMLP(SequentialMLP):
     """Same parameters as SequentialMLP; one grouped GEMM per linear when supported."""
 
+    def use_grouped_mm(self, x: torch.Tensor) -> bool:
+        """torch runs it here, and every row stride is a multiple of 16 bytes (the kernel's
+        rule: the fc1/fc2 in and out sizes times the element size)."""
+        fc1, fc2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if x.size(0) == 0 or x.dtype != fc1.dtype or not grouped_mm_supported(x):
+            return False
+        dims = (*fc1.shape[1:], *fc2.shape[1:])
+        return all(d * x.element_size() % 16 == 0 for d in dims)
+
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """`[N, h]` expert-major -> `[N, h]` (the loop where `use_grouped_mm` is False)."""
         self._check(x, tokens_per_expert)
-        if not grouped_mm_supported(x) or x.size(0) == 0:
+        if not self.use_grouped_mm(x):
             return super().forward(x, tokens_per_expert)
         counts = torch.tensor(list(tokens_per_expert), device=x.device)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
+        h = _grouped_linear(x, fc1.weight, offs)
         if fc1.bias is not None:
             h = h + fc1.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
-        h = self.activation(h)
-        out = torch._grouped_mm(h, fc2.weight.transpose(1, 2), offs=offs)
+        out = _grouped_linear(self.activation(h), fc2.weight, offs)
         if fc2.bias is not None and self.etp_rank == 0:
             out = out + fc2.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
         return out

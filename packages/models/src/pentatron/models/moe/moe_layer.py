@@ -20,6 +20,7 @@ import torch
 
 from ..spec import build_module
 from .experts import GroupedMLP, SequentialMLP
+from .router import TopKRouter
 from .shared_experts import SharedExpertMLP
 from .token_dispatcher import MoEGroups, build_dispatcher
 
@@ -59,7 +60,7 @@ class MoELayer(torch.nn.Module):
         ep = config.expert_model_parallel_size
         self.num_local_experts = config.num_moe_experts // ep
         self.router = build_module(
-            sub.router or _default_router(),
+            sub.router or TopKRouter,
             config,
             layer_number=layer_number,
             tp_cp_group=groups.tp_cp,
@@ -122,9 +123,3 @@ class MoELayer(torch.nn.Module):
         torch.cuda.current_stream(hidden.device).wait_stream(stream)
         shared.record_stream(torch.cuda.current_stream(hidden.device))
         return shared
-
-
-def _default_router() -> Any:
-    from .router import TopKRouter  # the router module is optional until it is built
-
-    return TopKRouter

@@ -10,6 +10,16 @@ load-balancing and z-losses (Megatron-LM's TopKRouter / topk_softmax_with_capaci
 Only the routing counts of the aux losses communicate: all-reduce over `tp_cp_group`
 (tokens differ across tp x cp under sequence parallelism), so each rank's losses are
 shares whose sum over the group is the loss of all the group's tokens.
+
+Capacity is per rank, as in Megatron: ceil(T * topk / E * capacity_factor) over the T tokens
+this rank routes, with no communication. Under tp > 1 (sequence parallel) or cp > 1 each
+rank routes s/(t*cp) of a sequence, so which tokens drop differs from one process routing
+the whole sequence; dropping equals a one-process run only where the router sees the same
+token set (tp = cp = 1, any ep / etp / pp).
+
+Expert-bias counts (`local_tokens_per_expert`): like Megatron, the assignments kept after
+capacity dropping; unlike Megatron, padding slots are left out, since with padding every
+expert would count exactly capacity and the bias would never move.
 """
 
 from __future__ import annotations
@@ -154,14 +164,20 @@ class TopKRouter(torch.nn.Module):
         logits = self._apply_z_loss(self._gating(hidden.reshape(-1, hidden.shape[-1])))
         if self.config.moe_router_load_balancing_type == "sinkhorn":
             probs, routing_map = self._sinkhorn_routing(logits)
+            routed = routing_map
         else:
-            probs, routing_map = topk_routing(logits, self.config, self.expert_bias)
-            probs, routing_map = self._apply_capacity(probs, routing_map)
+            probs, routed = topk_routing(logits, self.config, self.expert_bias)
+            probs, routing_map = self._apply_capacity(probs, routed)
             probs = self._apply_load_balancing_loss(probs, logits, batch_size)
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
-            # no_grad passes (evaluation, the first pass of full recompute) do not count
-            self.local_tokens_per_expert += routing_map.sum(dim=0).float()
+        self._count_for_expert_bias(routed, routing_map)
         return probs, routing_map
+
+    def _count_for_expert_bias(self, routed: torch.Tensor, routing_map: torch.Tensor) -> None:
+        """Add the kept real assignments `routed & routing_map` (`[T, E]` bool) per expert:
+        Megatron's post-dropping count without the padding slots (see the module docstring)."""
+        if self.local_tokens_per_expert is None or not torch.is_grad_enabled():
+            return  # no_grad passes (evaluation, the first pass of full recompute) do not count
+        self.local_tokens_per_expert += (routed & routing_map).sum(dim=0).float()
 
     # --- pieces of forward ---------------------------------------------------------------
     def _check_input(self, hidden: torch.Tensor) -> None:

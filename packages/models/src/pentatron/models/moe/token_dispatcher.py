@@ -131,7 +131,8 @@ class AllGatherTokenDispatcher:
 class _GatherUneven(torch.autograd.Function):
     """`[sizes[me], h]` -> all-gather(group) -> `[sum(sizes), h]`; backward: reduce-scatter.
 
-    Ranks hold different row counts, so each pads to max(sizes) for the collective.
+    Ranks hold different row counts, so each pads to max(sizes) for the collective (gloo has
+    no uneven all-gather): each rank moves max(sizes) rows, not sizes[me] (the ledger shows it).
     """
 
     @staticmethod
