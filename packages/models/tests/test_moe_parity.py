@@ -11,7 +11,8 @@ of each scaled by 1/(M dp) and the aux-loss grad scale 1/(M dp) - what the pipel
 all-reduced over dp-cp, expert grads (`allreduce=False`) over edp, both divided by dp.
 
 Layouts: ep in {1, 2, 4}, etp in {1, 2}, tp in {1, 2}, pp in {1, 2}, each dispatcher with
-grouped-GEMM (really `torch._grouped_mm` on CPU fp32) and sequential experts; see LAYOUTS.
+grouped-GEMM (really `torch._grouped_mm` on CPU fp32) and sequential experts, and shared
+experts (gated) at tp2-sp-ep2 and pp2-ep2; see LAYOUTS.
 
 Capacity (factor 1.0, token dropping; the reference must drop > 0 assignments) is tested
 at tp = 1 only: capacity is per rank over the tokens that rank routes (as Megatron), and
@@ -76,12 +77,18 @@ LAYOUTS = [  # (tp, pp, ep, etp, dispatcher, grouped, capacity_factor, pad)
     (1, 1, 4, 1, "allgather", False, 1.0, False),
     (1, 1, 2, 1, "allgather", False, 1.0, True),
     (1, 2, 2, 1, "alltoall", False, 1.0, True),
+    # shared experts (width 24, sigmoid gate) beside the routed ones: dense tp-sharded MLP
+    (2, 1, 2, 1, "alltoall", True, None, False, 24),
+    (1, 2, 2, 1, "allgather", False, None, False, 24),
 ]
 
 
 def _config(layout):
-    tp, pp, ep, etp, disp, grouped, cf, pad = layout
+    tp, pp, ep, etp, disp, grouped, cf, pad = layout[:8]
+    shared = layout[8] if len(layout) > 8 else None
     return moe_config(
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=tp > 1,

@@ -2,7 +2,7 @@
 
 FSDP2's params are the fp32 main params and the inner optimizer's state is sharded like
 them (`DTensor`s over dp x cp). Each rank writes, and on load reads, the rows it holds (see
-`model_state.held_rows`): `optim/main/<key>` from the param itself, `optim/<state>/<key>`
+`FSDP2DataParallel.held_rows`): `optim/main/<key>` from the param itself, `optim/<state>/<key>`
 from the inner state, `optim/step` once. No collective beyond the step agreement: the
 shards are already disjoint, where the distributed optimizer must first gather its pieces.
 """

@@ -16,29 +16,13 @@ from typing import Any
 
 import torch
 
-from pentatron.optim import local_tensor
+from pentatron.optim import FSDP2DataParallel, local_tensor
 from pentatron.optim.dcp_chunks import GlobalChunks
 from pentatron.parallel_state import ProcessGrid
 
 from .rectangles import Rect, param_rects, restrict_rows, shard_info
 
 PREFIX = "model/"
-
-
-def held_rows(param: torch.Tensor) -> tuple[int, int] | None:
-    """Rows `[lo, hi)` of dim 0 that this rank holds of an FSDP2 `DTensor` param (torch.chunk
-    cut over its 1-D mesh: `ceil(n/d)` rows a rank, the last ones fewer or none); None for a
-    plain tensor (all rows)."""
-    local = local_tensor(param)
-    if local is param:
-        return None
-    n, d = param.shape[0], param.device_mesh.size()
-    rows = -(-n // d)
-    lo = min(n, param.device_mesh.get_local_rank() * rows)
-    hi = min(n, lo + rows)
-    if local.shape[0] != hi - lo:
-        raise RuntimeError(f"FSDP2 shard of {n} rows over {d}: expected {hi - lo} rows here")
-    return lo, hi
 
 
 def iter_param_rects(
@@ -51,10 +35,11 @@ def iter_param_rects(
     for chunk in chunks:
         info = shard_info(chunk, tp_rank, tp_size, grid)
         model = getattr(chunk, "module", chunk)
+        fsdp2 = isinstance(chunk, FSDP2DataParallel)
         for name, p in model.named_parameters():
             rects = param_rects(name, tuple(p.shape), info)
-            rows = held_rows(p)
-            if rows is not None:
+            if fsdp2:  # this rank holds rows [lo, hi) of the tp shard
+                rows = chunk.held_rows(p)
                 rects = [r for r in (restrict_rows(x, *rows) for x in rects) if r is not None]
             yield p, rects
 

@@ -68,12 +68,15 @@ class FSDP2DataParallel(torch.nn.Module):
     the grads; the grad- and param-sync calls are no-ops because FSDP2 issues them itself.
     """
 
-    def __init__(self, module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
+    def __init__(self, module: torch.nn.Module, dp_mesh: DeviceMesh, dp_group: Any = None) -> None:
         super().__init__()
         if not isinstance(module, FSDPModule):
             raise TypeError("FSDP2DataParallel wraps a fully_shard-ed module; use apply_fsdp2")
         self.module = module
         self.dp_mesh = dp_mesh
+        # The process group itself: a mesh made from a group resolves it by a registered
+        # name, which torch may map to a destroyed group once grids are re-created.
+        self.dp_group = dp_mesh.get_group() if dp_group is None else dp_group
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -101,6 +104,18 @@ class FSDP2DataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         self.module.zero_grad(set_to_none=True)
+
+    def held_rows(self, param: torch.Tensor) -> tuple[int, int]:
+        """Rows `[lo, hi)` of dim 0 of `param` (one of this module's `Shard(0)` params) that
+        this rank holds: torch.chunk's cut over dp, `ceil(n/d)` rows a rank, the last ones
+        fewer or none."""
+        n, d = param.shape[0], dist.get_world_size(self.dp_group)
+        rows = -(-n // d)
+        lo = min(n, dist.get_rank(self.dp_group) * rows)
+        hi = min(n, lo + rows)
+        if local_tensor(param).shape[0] != hi - lo:
+            raise RuntimeError(f"FSDP2 shard of {n} rows over {d}: expected {hi - lo} rows here")
+        return lo, hi
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's shard of every grad (after backward: reduce-scattered over dp)."""
@@ -140,8 +155,8 @@ def apply_fsdp2(
     """
     device = next(module.parameters()).device
     mesh = _as_mesh(dp, device.type)
+    group = dp.get_group() if isinstance(dp, DeviceMesh) else dp
     if broadcast_params:
-        group = mesh.get_group()
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for p in module.parameters():
@@ -156,7 +171,7 @@ def apply_fsdp2(
     for name, p in module.named_parameters():
         for key, value in attrs.get(name, {}).items():
             setattr(p, key, value)
-    return FSDP2DataParallel(module, mesh)
+    return FSDP2DataParallel(module, mesh, group)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
