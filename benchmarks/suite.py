@@ -13,7 +13,7 @@ Parts (each also runnable alone; the command is printed next to its lines):
    unit of work vs world size 1, and peak memory.
 Timings are medians in one process, so machine noise hits both sides of a ratio alike;
 only the ratios are meant to be compared across machines. About 100 s on an idle 2-core
-machine (98 s recorded in docs/performance.md); longer when the cores are shared.
+machine (79-98 s recorded in docs/performance.md); longer when the cores are shared.
 """
 
 from __future__ import annotations
