@@ -103,10 +103,10 @@ class LayerRunner:
     bwd_graph: Any = None
     in_flight: bool = False  # forward replayed, backward not yet
     _live_out: torch.Tensor | None = None  # the output whose autograd graph backward walks
+    params: list[torch.nn.Parameter] = field(init=False)  # fixed: read on every replay
 
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.layer.parameters() if p.requires_grad]
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.layer.parameters() if p.requires_grad]
 
     def record(self, hidden: torch.Tensor, others: list[torch.Tensor | None]) -> None:
         """Keep detached copies of this call's inputs as the capture's sample inputs."""
@@ -225,7 +225,6 @@ class LayerCudaGraphs:
         self.runners: dict[tuple[int, int, int], LayerRunner] = {}  # (chunk, layer, k)
         self.order: list[tuple[str, LayerRunner]] = []
         self.calls: dict[tuple[int, int], int] = {}  # (chunk, layer) -> calls this step
-        self.blocks = []
         for c, chunk in enumerate(chunks):
             model = chunk
             while hasattr(model, "module"):
@@ -235,7 +234,6 @@ class LayerCudaGraphs:
                 raise TypeError(f"chunk {c} has no TransformerBlock `decoder` to graph")
             block.cuda_graphs = self
             block.cuda_graph_chunk = c
-            self.blocks.append(block)
 
     # --- per step -----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -262,10 +260,11 @@ class LayerCudaGraphs:
             raise CudaGraphError(
                 f"cannot capture: {missing[0]} ran forward without backward in the recorded step"
             )
-        if self.capture_fn is cuda_capture:
+        pool = None
+        if self.capture_fn is cuda_capture:  # real graphs: warm the kernels up, share a pool
             for r in fwd:
                 r.warm_up()
-        pool = torch.cuda.graph_pool_handle() if self.capture_fn is cuda_capture else None
+            pool = torch.cuda.graph_pool_handle()
         for kind, runner in self.order:
             if kind == "fwd":
                 runner.capture_forward(self.capture_fn, pool)
