@@ -2,32 +2,56 @@
 
     torchrun --standalone --nproc-per-node 2 tools/device_checks/tp_layers_te.py
 
-A Column -> GeLU -> Row MLP built with backend="te" and backend="torch" from the same seed at
-tp = world size: weights equal, outputs and input / weight grads equal within fp32 GEMM
-tolerance (TF32 off). Prints one line per rank and exits non-zero on a mismatch.
+Two MLPs built with backend="te" and backend="torch" from the same seed at tp = world size:
+- Column -> GeLU -> Row;
+- RMSNorm fused into a stride-2 Column (TE LayerNormLinear, SwiGLU's [gate_r, up_r]
+  rows), sequence parallel -> SwiGLU -> Row (reduce-scatter).
+Weights are equal by construction; outputs and the input, weight and norm-weight grads must
+agree within fp32 GEMM tolerance (TF32 off). Prints one line per rank and check, and exits
+non-zero on a mismatch.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pentatron.tp_layers import column_parallel_linear, row_parallel_linear, te_available
+from pentatron.tp_layers import (
+    column_parallel_linear,
+    layer_norm_column_parallel_linear,
+    row_parallel_linear,
+    sync_sequence_parallel_grads,
+    te_available,
+)
 
 
-def mlp(backend, group, seed=0):
+def mlp(backend, group, fused, seed=0):
     torch.manual_seed(seed)
-    col = column_parallel_linear(256, 1024, tp_group=group, backend=backend, device="cuda")
-    row = row_parallel_linear(
-        1024, 256, tp_group=group, input_is_parallel=True, backend=backend, device="cuda"
-    )
+    common = {"tp_group": group, "backend": backend, "device": "cuda"}
+    if fused:
+        col = layer_norm_column_parallel_linear(
+            256, 2048, normalization="RMSNorm", stride=2, sequence_parallel=True, **common
+        )
+    else:
+        col = column_parallel_linear(256, 1024, **common)
+    row = row_parallel_linear(1024, 256, input_is_parallel=True, sequence_parallel=fused, **common)
     return col, row
 
 
-def run(col, row, x):
+def run(col, row, x, fused, group):
     x = x.clone().requires_grad_(True)
-    out, _ = row(F.gelu(col(x)[0]))
+    h = col(x)[0]
+    if fused:
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = F.gelu(h)
+    out, _ = row(h)
     out.square().mean().backward()
-    return out.detach(), x.grad, col.weight.grad, row.weight.grad
+    sync_sequence_parallel_grads(col, group)
+    grads = [x.grad, col.weight.grad, row.weight.grad]
+    if fused:
+        grads.append(col.layer_norm_weight.grad)
+    return [out.detach(), *grads]
 
 
 def main() -> int:
@@ -37,13 +61,15 @@ def main() -> int:
     assert te_available(), "transformer-engine is not importable here"
     group = dist.new_group(list(range(dist.get_world_size())))
     x = torch.randn(64, 4, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    te_out = run(*mlp("te", group), x)
-    pt_out = run(*mlp("torch", group), x)
     ok = True
-    for name, a, b in zip(("out", "dx", "dW_col", "dW_row"), te_out, pt_out):
-        err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-        ok &= err < 1e-4
-        print(f"rank {dist.get_rank()}: {name} max rel err {err:.2e}")
+    for fused in (False, True):
+        te_out = run(*mlp("te", group, fused), x, fused, group)
+        pt_out = run(*mlp("torch", group, fused), x, fused, group)
+        names = ("out", "dx", "dW_col", "dW_row", "d_layer_norm_weight")
+        for name, a, b in zip(names, te_out, pt_out):
+            err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+            ok &= err < 1e-4
+            print(f"rank {dist.get_rank()}: fused={fused} {name} max rel err {err:.2e}")
     dist.destroy_process_group()
     return 0 if ok else 1
 

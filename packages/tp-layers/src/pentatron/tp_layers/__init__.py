@@ -11,9 +11,11 @@ from .grads import mark_sequence_parallel, sync_sequence_parallel_grads
 from .init import init_method_normal, init_sharded_, scaled_init_method_normal, shard_of
 from .layers import (
     ColumnParallelLinear,
+    LayerNormColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
     column_parallel_linear,
+    layer_norm_column_parallel_linear,
     linear_backend,
     linear_with_grad_accumulation_and_async_allreduce,
     row_parallel_linear,
@@ -29,6 +31,7 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .norms import layer_norm, rms_norm
 from .random import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
@@ -49,13 +52,17 @@ from .utils import (
     vocab_range,
 )
 
-__version__ = "0.1.1"
+__version__ = "0.1.2"
 
 __all__ = [
     "te_available",
     "row_parallel_linear",
     "linear_backend",
     "column_parallel_linear",
+    "layer_norm_column_parallel_linear",
+    "layer_norm",
+    "rms_norm",
+    "LayerNormColumnParallelLinear",
     "DATA_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",

@@ -5,14 +5,23 @@ from .linear import (
     LinearWithGradAccumulationAndAsyncCommunication,
     linear_with_grad_accumulation_and_async_allreduce,
 )
+from .norm_linear import LayerNormColumnParallelLinear
 from .row import RowParallelLinear
-from .te import column_parallel_linear, linear_backend, row_parallel_linear, te_available
+from .te import (
+    column_parallel_linear,
+    layer_norm_column_parallel_linear,
+    linear_backend,
+    row_parallel_linear,
+    te_available,
+)
 
 __all__ = [
     "ColumnParallelLinear",
+    "LayerNormColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
     "column_parallel_linear",
+    "layer_norm_column_parallel_linear",
     "linear_backend",
     "linear_with_grad_accumulation_and_async_allreduce",
     "row_parallel_linear",

@@ -4,19 +4,21 @@ One switch picks the implementation: `linear_backend(backend)`, where `backend` 
 "torch", "te" or "auto" (default: the PENTATRON_LINEAR_BACKEND environment variable, else
 "auto"). "auto" means TE when `transformer_engine.pytorch` imports and CUDA is available,
 else the PyTorch layers of this package, whose numerics TE's fp32/bf16 GEMMs match up to
-kernel rounding. `column_parallel_linear(...)` / `row_parallel_linear(...)` take exactly
-the arguments of `ColumnParallelLinear` / `RowParallelLinear`, return `(output, bias)` from
-`forward` like them, and carry the same parameter attributes (`tensor_model_parallel`,
-`partition_dim`, `partition_stride`, `allreduce`, `sequence_parallel` on a row bias), so
-DDP, clipping and checkpoints treat both alike.
+kernel rounding. `column_parallel_linear(...)` / `row_parallel_linear(...)` /
+`layer_norm_column_parallel_linear(...)` take exactly the arguments of
+`ColumnParallelLinear` / `RowParallelLinear` / `LayerNormColumnParallelLinear` (TE's
+`Linear` / `LayerNormLinear`), return `(output, bias)` from `forward` like them, and carry
+the same parameter names and attributes (`tensor_model_parallel`, `partition_dim`,
+`partition_stride`, `allreduce`, `sequence_parallel` on a row bias and on a fused norm's
+parameters), so DDP, clipping and checkpoints treat both alike.
 
 TE is imported only when a TE layer is asked for. Arguments TE cannot honour raise
-`TPConfigError` naming the argument: `gather_output`, `stride > 1` at tp > 1 (fused
-interleaved blocks), `skip_weight_param_allocation` (a tied output layer), `is_expert`,
-`regather_input=False`. Weight-grad accumulation stays with DDP's hook (TE's
-`fuse_wgrad_accumulation` needs `main_grad` on every weight, even outside DDP), and
-initialisation is ours: the full master weight is drawn and split, so a TE layer at tp=t
-starts from the TP=1 weights too.
+`TPConfigError` naming the argument: `gather_output`, `skip_weight_param_allocation` (a
+tied output layer), `is_expert`, `regather_input=False`. Weight-grad accumulation stays
+with DDP's hook (TE's `fuse_wgrad_accumulation` needs `main_grad` on every weight, even
+outside DDP), and initialisation is ours: the full master weight is drawn and split (with
+`stride` fused blocks, e.g. SwiGLU's [gate_r, up_r]; TE's GEMM does not care how the rows
+of a shard were chosen), so a TE layer at tp=t starts from the TP=1 weights too.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from typing import Any
 
 import torch
 
+from ..norms import check_normalization
 from ..utils import TPConfigError, group_size
 from .column import ColumnParallelLinear
 from .common import default_init, make_weight, resolve_layer_group
+from .norm_linear import LayerNormColumnParallelLinear
 from .row import RowParallelLinear
 
 BACKENDS = ("auto", "torch", "te")
@@ -88,22 +92,21 @@ def _mark(param: torch.nn.Parameter, tp: bool, dim: int, stride: int = 1) -> Non
     param.allreduce = True
 
 
-def _te_linear(kind: str, input_size: int, output_size: int, kwargs: dict[str, Any]):
+def _te_linear(
+    kind: str, input_size: int, output_size: int, kwargs: dict[str, Any], **norm: Any
+) -> torch.nn.Module:
+    """TE's Linear (`norm` empty) or LayerNormLinear (`norm`: normalization, eps) for `kind`."""
     _check_supported(kind, kwargs)
     group = resolve_layer_group(kwargs.get("tp_group"), False)
     tp, stride = group_size(group), kwargs.get("stride", 1)
-    if stride > 1 and tp > 1:
-        raise TPConfigError(
-            f"{kind}(stride={stride}) at tp={tp} with the transformer-engine backend: TE "
-            "splits the output dim contiguously; fix: use backend='torch' for fused blocks"
-        )
-    column = kind == "ColumnParallelLinear"
+    column = kind != "RowParallelLinear"
     dtype = kwargs.get("params_dtype") or torch.get_default_dtype()
-    layer = _te_class()(
+    sp = kwargs.get("sequence_parallel", False)
+    layer = _te_class(bool(norm))(
         input_size,
         output_size,
         bias=kwargs.get("bias", True),
-        sequence_parallel=kwargs.get("sequence_parallel", False),
+        sequence_parallel=sp,
         fuse_wgrad_accumulation=False,
         tp_group=group,
         tp_size=tp,
@@ -111,6 +114,7 @@ def _te_linear(kind: str, input_size: int, output_size: int, kwargs: dict[str, A
         parallel_mode="column" if column else "row",
         params_dtype=dtype,
         device=kwargs.get("device") or "cuda",
+        **norm,
     )
     layer.pentatron_returns_bias = kwargs.get("skip_bias_add", False)
     dim = 0 if column else 1
@@ -132,18 +136,23 @@ def _te_linear(kind: str, input_size: int, output_size: int, kwargs: dict[str, A
     if isinstance(bias, torch.nn.Parameter) and bias.numel():
         with torch.no_grad():
             bias.zero_()
-        _mark(bias, column, 0)
+        _mark(bias, column, 0, stride if column else 1)
         if not column:
-            bias.sequence_parallel = kwargs.get("sequence_parallel", False)
+            bias.sequence_parallel = sp
+    for name in ("layer_norm_weight", "layer_norm_bias"):
+        p = getattr(layer, name, None)
+        if isinstance(p, torch.nn.Parameter):  # TE marks them only when tp > 1
+            p.sequence_parallel = sp
     return layer
 
 
-@functools.lru_cache(maxsize=1)
-def _te_class() -> type:
-    """TE's Linear with tp-layers' `forward(x) -> (y, bias | None)` (made on first use, so
-    nothing imports TE before a TE layer is asked for)."""
+@functools.lru_cache(maxsize=2)
+def _te_class(fused_norm: bool) -> type:
+    """TE's Linear (or LayerNormLinear) with tp-layers' `forward(x) -> (y, bias | None)`
+    (made on first use, so nothing imports TE before a TE layer is asked for)."""
+    base = _te().LayerNormLinear if fused_norm else _te().Linear
 
-    class TEParallelLinear(_te().Linear):
+    class TEParallelLinear(base):
         def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
             if weight is not None:
                 raise TPConfigError(
@@ -172,3 +181,28 @@ def row_parallel_linear(
     if linear_backend(backend) == "torch":
         return RowParallelLinear(input_size, output_size, **kwargs)
     return _te_linear("RowParallelLinear", input_size, output_size, kwargs)
+
+
+def layer_norm_column_parallel_linear(
+    input_size: int,
+    output_size: int,
+    *,
+    normalization: str = "LayerNorm",
+    eps: float = 1e-5,
+    backend: str | None = None,
+    **kwargs: Any,
+) -> torch.nn.Module:
+    """`LayerNormColumnParallelLinear(...)` on the chosen backend (TE: `LayerNormLinear`)."""
+    if linear_backend(backend) == "torch":
+        return LayerNormColumnParallelLinear(
+            input_size, output_size, normalization=normalization, eps=eps, **kwargs
+        )
+    check_normalization(normalization)  # TE only asserts
+    return _te_linear(
+        "LayerNormColumnParallelLinear",
+        input_size,
+        output_size,
+        kwargs,
+        normalization=normalization,
+        eps=eps,
+    )
