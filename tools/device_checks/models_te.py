@@ -3,9 +3,11 @@
     torchrun --standalone --nproc-per-node 2 tools/device_checks/models_te.py
 
 A 2-layer GPT (GQA, RoPE, SwiGLU, RMSNorm) at tp = world size with sequence parallelism,
-built with `get_gpt_layer_te_spec()` and `get_gpt_layer_local_spec()`; the TE model loads
-the local model's state dict (same parameter names), then per-token losses and every
-gradient must agree within fp32 GEMM tolerance (TF32 off). Then FP8 (hybrid, bf16 params,
+built with `get_gpt_layer_te_spec()` and `get_gpt_layer_local_spec()`; the TE model
+(norms fused into TE LayerNormLinear: `linear_qkv.layer_norm_weight`) loads the local
+model's state dict (each layer renames the norm keys), then per-token losses and every
+gradient, matched by `global_param_name`, must agree within fp32 GEMM tolerance (TF32
+off); the only keys the local state dict lacks must be TE's `_extra_state`. Then FP8 (hybrid, bf16 params,
 amax reduced over tp-dp-cp): three forward/backward passes must give finite losses within
 5% of the bf16 TE model's (FP8 rounding, scales warm up from the amax history). Prints one
 line per rank and exits non-zero on a mismatch.
@@ -21,6 +23,7 @@ from pentatron.models import (
     TransformerConfig,
     get_gpt_layer_local_spec,
     get_gpt_layer_te_spec,
+    global_param_name,
 )
 from pentatron.parallel_state import ParallelConfig, initialize_model_parallel
 from pentatron.tp_layers import model_parallel_seed
@@ -34,7 +37,9 @@ def build(spec, config, grid):
 def losses_and_grads(model, ids, pos, labels):
     loss = model(ids, pos, labels=labels)
     loss.mean().backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {
+        global_param_name(n, model.layer_offset): p.grad for n, p in model.named_parameters()
+    }
 
 
 def main() -> int:
@@ -68,8 +73,11 @@ def main() -> int:
     pos = torch.arange(128, device="cuda").expand(2, 128)
     want_loss, want = losses_and_grads(local, ids, pos, labels)
     got_loss, got = losses_and_grads(te_model, ids, pos, labels)
-    ok = not missing.unexpected_keys
+    fused = type(te_model.decoder.layers[0].self_attention.linear_qkv).__mro__[1].__name__
+    ok = not missing.unexpected_keys and fused == "LayerNormLinear"
+    ok &= all(k.endswith("_extra_state") for k in missing.missing_keys)
     rank = dist.get_rank()
+    print(f"rank {rank}: linear_qkv is a TE {fused}")
     print(
         f"rank {rank}: TE-only state keys {missing.missing_keys} unexpected {missing.unexpected_keys}"
     )

@@ -485,9 +485,9 @@ MOE_EP2 += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size"
 @pytest.mark.parametrize(
     "extra,fc1,fc2",
     [
-        ([], True, True),  # GeLU: fc1 and fc2 are TE linears
-        (["--swiglu"], False, True),  # SwiGLU's fc1 at tp 2 stays on tp-layers' linear
-        (MOE_EP2, False, False),  # every layer MoE: the experts are local modules
+        ([], 1, True),  # GeLU: fc1 [f/t, h] and fc2 are TE linears
+        (["--swiglu"], 2, True),  # SwiGLU's fc1 [2f/t, h] (strided) is a TE module too
+        (MOE_EP2, 0, False),  # every layer MoE: the experts are local modules
     ],
 )
 def test_fp8_weight_copies_per_microbatch_in_flight(extra, fc1, fc2, capsys):
@@ -502,7 +502,7 @@ def test_fp8_weight_copies_per_microbatch_in_flight(extra, fc1, fc2, capsys):
     assert main(argv) == 0
     stages = json.loads(capsys.readouterr().out)
     # per layer and tp rank: qkv [3h/t, h], proj [h, h/t], fc2 [h, f/t], fc1 [f1/t, h]
-    per_layer = 3 * h * h // t + h * h // t + (f * h // t if fc1 else 0)
+    per_layer = 3 * h * h // t + h * h // t + fc1 * f * h // t
     per_layer += h * f // t if fc2 else 0
     for s, in_flight in zip(stages, (2, 1)):  # 1F1B, m = 8: min(p - r, m); 2 layers a stage
         assert s["fp8_weight_cache_bytes"] == 2 * 2 * per_layer * in_flight

@@ -53,10 +53,16 @@ def test_te_spec_without_te_says_how_to_fix():
 
 @pytest.mark.skipif(HAVE_TE, reason="transformer-engine is installed")
 def test_te_linears_without_te_fail_or_fall_back_as_documented():
-    from pentatron.models.te_spec import TEColumnParallelLinear, TERowParallelLinear
+    from pentatron.models.te_spec import (
+        TEColumnParallelLinear,
+        TELayerNormColumnParallelLinear,
+        TERowParallelLinear,
+    )
     from pentatron.tp_layers import TPConfigError
 
     with pytest.raises(TPConfigError, match="transformer-engine"):
         TERowParallelLinear(8, 8, input_is_parallel=True)
     with pytest.raises(TPConfigError, match="transformer-engine"):
-        TEColumnParallelLinear(8, 16, stride=2)  # tp=1: no strided split, so TE is asked for
+        TEColumnParallelLinear(8, 16, stride=2)
+    with pytest.raises(TPConfigError, match="transformer-engine"):
+        TELayerNormColumnParallelLinear(8, 16, config=TransformerConfig(**BASE))

@@ -2,7 +2,9 @@
 sequence parallel on/off, pp in {1, 2} and vpp 2 on pp 2 gives the single-process
 per-token losses and the gradient of every parameter (shards merged with
 `merge_shards`), fp32, rtol 1e-5 / atol 1e-6. Tied embeddings on the first and last stage
-stay identical after an Adam step.
+stay identical after an Adam step. Two layouts use the TE spec's layout in PyTorch
+(`get_gpt_layer_te_spec(backend="torch")`: norms fused into linear_qkv / linear_fc1,
+loaded from the local spec's state dict through the canonical global names).
 
 All layouts run in one call on a pool of 4 gloo ranks; the reference runs in this process.
 """
@@ -34,6 +36,7 @@ from _gpt import (
 from pentatron.models import (
     build_model_chunks,
     get_gpt_layer_local_spec,
+    get_gpt_layer_te_spec,
     global_param_name,
     load_full_state_dict,
     merge_shards,
@@ -48,19 +51,25 @@ from pentatron.pipeline import PipelineConfig, get_forward_backward_func
 from pentatron.tp_layers import model_parallel_seed
 
 WORLD = 4
-LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied)
-    (1, 1, None, False, True),
-    (2, 1, None, False, True),
-    (2, 1, None, True, True),
-    (4, 1, None, False, True),
-    (4, 1, None, True, True),
-    (1, 2, None, False, True),
-    (2, 2, None, False, True),
-    (2, 2, None, True, True),
-    (2, 2, None, True, False),
-    (1, 2, 2, False, True),
-    (2, 2, 2, True, True),
+LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
+    (1, 1, None, False, True, "local"),
+    (2, 1, None, False, True, "local"),
+    (2, 1, None, True, True, "local"),
+    (4, 1, None, False, True, "local"),
+    (4, 1, None, True, True, "local"),
+    (1, 2, None, False, True, "local"),
+    (2, 2, None, False, True, "local"),
+    (2, 2, None, True, True, "local"),
+    (2, 2, None, True, False, "local"),
+    (1, 2, 2, False, True, "local"),
+    (2, 2, 2, True, True, "local"),
+    (4, 1, None, True, True, "te-torch"),
+    (2, 2, 2, True, True, "te-torch"),
 ]
+SPECS = {
+    "local": get_gpt_layer_local_spec,
+    "te-torch": lambda: get_gpt_layer_te_spec(backend="torch"),
+}
 
 
 def _loss(output):
@@ -93,13 +102,13 @@ def _run(grid, config, chunks, data):
 
 
 def _case(grid, base, layout, states, data):
-    tp, pp, vpp, sp, tied = layout
+    tp, pp, vpp, sp, tied, spec = layout
     config = dataclasses.replace(
         with_layout(base, tp, pp, vpp, sp), untie_embeddings_and_output_weights=not tied
     )
     chunks = build_model_chunks(
         config,
-        get_gpt_layer_local_spec(),
+        SPECS[spec](),
         VOCAB,
         S,
         grid,
@@ -121,6 +130,9 @@ def _case(grid, base, layout, states, data):
             tied_after["first" if c.pre_process else "last"] = c.shared_embedding_or_output_weight()
     return {
         "tp_rank": grid.rank("tp"),
+        "fused_norms": sum(
+            n.endswith("layer_norm_weight") for c in chunks for n, _ in c.named_parameters()
+        ),
         "losses": [r for r in reduced],
         "grads": grads,
         "tied_after": {k: v.detach().clone() for k, v in tied_after.items()},
@@ -166,12 +178,15 @@ def _merged_grads(results, config):
 
 
 @pytest.mark.parametrize(
-    "layout", LAYOUTS, ids=lambda lay: "tp{}-pp{}-vpp{}-sp{}-tied{}".format(*lay)
+    "layout", LAYOUTS, ids=lambda lay: "tp{}-pp{}-vpp{}-sp{}-tied{}-{}".format(*lay)
 )
 def test_losses_and_grads_match_single_process(parity, layout):
     base, refs, results = parity
     _, ref_losses, ref_grads = refs[layout[4]]
     results = results[layout]
+    for r in results:  # each layer's two norms live in its linears in the TE layout only
+        layers = base.num_layers // layout[1]
+        assert r["fused_norms"] == (2 * layers if layout[5] == "te-torch" else 0)
     last = [r for r in results if r["losses"]]
     assert last, "no rank reported losses"
     for r in last:

@@ -51,13 +51,14 @@ from .sharding import (
     merge_shards,
     param_sharding,
     shard_full_tensor,
+    state_tensors,
 )
-from .spec import ModuleSpec, build_module
+from .spec import ModuleSpec, build_linear, build_module
 from .te_spec import HAVE_TE
 from .transformer_block import TransformerBlock, get_layer_offset, get_num_layers_to_build
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "CudaGraphError",
@@ -112,6 +113,7 @@ __all__ = [
     "allreduce_tied_embedding_grads",
     "apply_rotary_pos_emb",
     "build_model_chunks",
+    "build_linear",
     "build_module",
     "flops_per_token",
     "get_gpt_layer_local_spec",
@@ -128,5 +130,6 @@ __all__ = [
     "param_sharding",
     "rope_inv_freq",
     "shard_full_tensor",
+    "state_tensors",
     "sync_grads",
 ]

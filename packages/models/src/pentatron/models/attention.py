@@ -23,7 +23,7 @@ from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
 from .config import TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .rope import apply_rotary_pos_emb
-from .spec import build_module
+from .spec import build_linear, build_module
 
 
 @dataclass
@@ -118,8 +118,9 @@ class SelfAttention(torch.nn.Module):
         self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
-        self.linear_qkv = build_module(
+        self.linear_qkv = build_linear(
             submodules.linear_qkv,
+            config,
             config.hidden_size,
             qkv_size,
             tp_group=tp_group,

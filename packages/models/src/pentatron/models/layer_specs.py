@@ -2,7 +2,9 @@
 
 `get_gpt_layer_local_spec()` works everywhere. `get_gpt_layer_te_spec()` needs
 transformer-engine (see `te_spec.py`) and raises `ModelConfigError` naming the fix when it
-is missing. Both build the same parameter names (Megatron's local-spec names).
+is missing; `get_gpt_layer_te_spec(backend="torch")` builds its layout in PyTorch. The TE
+layout names the fused norms as Megatron does (`linear_qkv.layer_norm_weight`);
+`global_param_name` maps them to the local spec's names, and each layer loads either.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ def get_gpt_layer_local_spec(qk_layernorm: bool = True) -> ModuleSpec:
     )
 
 
-def get_gpt_layer_te_spec(qk_layernorm: bool = True) -> ModuleSpec:
-    """The transformer-engine spec (TE norms and linears, FP8 autocast when `config.fp8`)."""
+def get_gpt_layer_te_spec(qk_layernorm: bool = True, backend: str = "te") -> ModuleSpec:
+    """The transformer-engine spec: norms fused into the next linear (parameters named
+    `layer_norm_weight`, as Megatron's), TE linears and core attention, FP8 autocast when
+    `config.fp8`. `backend="torch"`: the same layout and names in PyTorch (see te_spec)."""
     from .te_spec import te_layer_spec
 
-    return te_layer_spec(qk_layernorm)
+    return te_layer_spec(qk_layernorm, backend)

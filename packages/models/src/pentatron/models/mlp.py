@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .config import TransformerConfig
-from .spec import build_module
+from .spec import build_linear, build_module
 
 
 @dataclass
@@ -40,8 +40,9 @@ class MLP(torch.nn.Module):
         self.config = config
         gated = config.gated_linear_unit
         fc1_out = config.ffn_hidden_size * (2 if gated else 1)
-        self.linear_fc1 = build_module(
+        self.linear_fc1 = build_linear(
             submodules.linear_fc1,
+            config,
             config.hidden_size,
             fc1_out,
             tp_group=tp_group,

@@ -1,6 +1,7 @@
 """Normalisations: LayerNorm or RMSNorm, chosen by `config.normalization`.
 
-Both compute in fp32 and return the input dtype (or `params_dtype` with
+Both compute in fp32 (tp-layers' `rms_norm` / `layer_norm`, which the fused norm+linear
+of the TE-layout spec shares) and return the input dtype (or `params_dtype` with
 `fp32_residual_connection`, where the residual stream is fp32 but the layers are not).
 Shapes are unchanged: `[s, b, h]` (or `[s/t, b, h]` with sequence parallelism).
 """
@@ -8,9 +9,9 @@ Shapes are unchanged: `[s, b, h]` (or `[s/t, b, h]` with sequence parallelism).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pentatron.parallel_state import current_device
+from pentatron.tp_layers import layer_norm, rms_norm
 
 from .config import TransformerConfig
 
@@ -26,10 +27,7 @@ class RMSNorm(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = self.weight.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(out_dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(torch.nn.Module):
@@ -43,11 +41,7 @@ class LayerNorm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (self.weight.numel(),)
-        out = F.layer_norm(
-            x.to(torch.float32), shape, self.weight.float(), self.bias.float(), self.eps
-        )
-        return out.to(self.weight.dtype)
+        return layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def Norm(

@@ -49,8 +49,19 @@ _VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 _COLUMN = re.compile(r"\.(linear_qkv|linear_fc1)\.(weight|bias)$")
 _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _REPLICATED = re.compile(
-    r"(layernorm\.(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
+    r"(layernorm\.(weight|bias)|layer_norm_(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
     r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight)$"
+)
+# A layer's separate norm (local spec) -> the same norm fused into the next linear (TE spec).
+FUSED_NORMS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+_FUSED_TO_LOCAL = {fused: local for local, fused in FUSED_NORMS.items()}
+_FUSED_NORM = re.compile(
+    r"^(decoder\.layers\.\d+\.)("
+    + "|".join(re.escape(f) for f in _FUSED_TO_LOCAL)
+    + r")(?=(weight|bias)$)"
 )
 _EXPERT = re.compile(r"\.experts\.(linear_fc1|linear_fc2)\.(weight|bias)$")
 
@@ -174,13 +185,29 @@ def _merge_tp(rule: ParamSharding, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def global_param_name(name: str, layer_offset: int) -> str:
-    """`decoder.layers.{i}.x` of a chunk -> `decoder.layers.{layer_offset + i}.x`."""
+    """`decoder.layers.{i}.x` of a chunk -> `decoder.layers.{layer_offset + i}.x`, in the
+    local spec's names: a norm fused into the next linear (the TE spec's
+    `self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_bias`) is
+    named as the separate norm it replaces (`input_layernorm.weight`,
+    `pre_mlp_layernorm.bias`), so both specs share checkpoints and conversions."""
+    name = _FUSED_NORM.sub(lambda m: f"{m.group(1)}{_FUSED_TO_LOCAL[m.group(2)]}", name)
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
 
 
 def local_param_name(name: str, layer_offset: int) -> str:
-    """Inverse of `global_param_name` (the caller knows the layer is in this chunk)."""
+    """Inverse of `global_param_name`'s layer index (the caller knows the layer is in this
+    chunk); the name stays in the local spec's layout."""
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - layer_offset}.", name)
+
+
+def state_tensors(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` without modules' extra state (transformer-engine's FP8 metadata,
+    `*._extra_state`): the parameters and buffers that checkpoints and conversions carry."""
+    return {
+        k: v
+        for k, v in model.state_dict(keep_vars=keep_vars).items()
+        if not k.endswith("_extra_state")
+    }
 
 
 def full_tensor_for(model: Any, local_name: str, full_state_dict: dict) -> torch.Tensor:
@@ -201,7 +228,7 @@ def load_full_state_dict(model: Any, full_state_dict: dict[str, torch.Tensor]) -
     `model` must be found; extra entries (other chunks' layers) are ignored.
     """
     par = model.parallel
-    for local, param in model.state_dict(keep_vars=True).items():
+    for local, param in state_tensors(model, keep_vars=True).items():
         full = full_tensor_for(model, local, full_state_dict)
         part = shard_full_tensor(
             local,

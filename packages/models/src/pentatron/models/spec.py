@@ -40,3 +40,13 @@ def build_module(spec: Any, *args: Any, **kwargs: Any) -> Any:
     if spec.submodules is not None:
         params["submodules"] = spec.submodules
     return spec.module(*args, **params)
+
+
+def build_linear(spec: Any, config: Any, input_size: int, output_size: int, **kwargs: Any) -> Any:
+    """Build a layer's linear from `spec`; a module that normalises its own input (marked
+    `fuses_input_norm`, the TE spec's fused norm+linear) also gets `config=`, from which it
+    takes the norm's type and epsilon."""
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    if getattr(module, "fuses_input_norm", False):
+        kwargs["config"] = config
+    return build_module(spec, input_size, output_size, **kwargs)

@@ -1,18 +1,28 @@
-"""The transformer-engine layer spec, used only when transformer-engine is importable.
+"""The transformer-engine layer spec, and its PyTorch twin.
 
-This is the package's one switch for TE (`HAVE_TE`). Without TE, `te_layer_spec` raises
-`ModelConfigError` with the install command; the local spec has the same numerics in
-PyTorch. With TE the spec swaps:
-- the norms for TE's fused LayerNorm/RMSNorm;
-- the GEMMs for TE's Linear through tp-layers' backend switch (`column_parallel_linear` /
-  `row_parallel_linear(backend="te")`), which keeps tp-layers' initialisation and parameter
-  attributes. SwiGLU's fc1 at tp > 1 stays on tp-layers' linear: its weight is split with
-  stride 2 ([gate_r, up_r] per rank) and TE splits the output dim contiguously;
-- core attention for TE's DotProductAttention (causal, GQA through `num_gqa_groups`);
-and runs each layer under `fp8_autocast` when `config.fp8` is set. Parameter names stay
-the local spec's (`weight`, `bias`), so checkpoints and HF conversion work with both.
-This path runs only on CUDA with TE: `tools/device_checks/models_te.py` compares it with
-the local spec there; CI checks only the fallback and the errors.
+`te_layer_spec(qk_layernorm, backend)` builds Megatron's TE layout:
+- the norm before attention and before a dense MLP is fused into the linear after it
+  (`TELayerNormColumnParallelLinear`: TE's `LayerNormLinear`), so `input_layernorm` and
+  `pre_mlp_layernorm` are identities and the parameters are named
+  `self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_norm_weight`
+  (+ `layer_norm_bias` for LayerNorm), as in Megatron. A MoE layer keeps its own
+  `pre_mlp_layernorm` (its router and experts read the normed input);
+- the other GEMMs are TE Linears through tp-layers' backend switch, which keeps
+  tp-layers' initialisation, strided splits (SwiGLU's [gate_r, up_r]) and parameter
+  attributes; q/k norms are TE norms; core attention is TE's DotProductAttention (causal,
+  GQA through `num_gqa_groups`);
+- each layer runs under `fp8_autocast` when `config.fp8` is set.
+
+`backend="te"` (the default) needs TE and CUDA: without them `te_layer_spec` raises
+`ModelConfigError` with the install command. `backend="torch"` builds the same layout and
+parameter names from PyTorch modules with the local spec's numerics (tp-layers'
+`LayerNormColumnParallelLinear`, local attention and norms; FP8 is refused): it runs
+anywhere, loads a TE-spec state dict, and is how CI tests the layout.
+
+`global_param_name` maps the fused names to the local spec's (`input_layernorm.weight`,
+`pre_mlp_layernorm.weight`), so checkpoints and Hugging Face conversion are shared by both
+specs, and `TransformerLayer` loads a state dict of either layout. The TE modules run only
+on CUDA: `tools/device_checks/models_te.py` compares them with the local spec there.
 """
 
 from __future__ import annotations
@@ -23,14 +33,17 @@ from typing import Any
 import torch
 
 from pentatron.tp_layers import (
-    ColumnParallelLinear,
     column_parallel_linear,
     divide,
     get_rng_tracker,
+    layer_norm_column_parallel_linear,
     row_parallel_linear,
 )
 
 from .config import ModelConfigError
+from .spec import ModuleSpec
+
+TE_SPEC_BACKENDS = ("te", "torch")
 
 try:  # pragma: no cover - depends on the environment
     import transformer_engine.pytorch as te  # type: ignore[import-not-found]
@@ -50,46 +63,68 @@ def require_te(what: str = "get_gpt_layer_te_spec()") -> None:
         )
 
 
-def te_layer_spec(qk_layernorm: bool = True) -> Any:
-    """The local spec with TE norms, linears and core attention, in an FP8-autocast layer."""
-    require_te()
+def te_layer_spec(qk_layernorm: bool = True, backend: str = "te") -> Any:
+    """The TE layout (fused norm+linear, FP8-autocast layer) on `backend` "te" or "torch"."""
+    from .attention import DotProductAttention
     from .layer_specs import get_gpt_layer_local_spec
+    from .norm import Norm
+    from .transformer_layer import TransformerLayer
 
+    if backend not in TE_SPEC_BACKENDS:
+        raise ModelConfigError(
+            f"get_gpt_layer_te_spec(backend={backend!r}): the rule: one of "
+            f"{', '.join(TE_SPEC_BACKENDS)}; fix: 'te' on a CUDA machine with "
+            "transformer-engine, 'torch' for the same layout in PyTorch"
+        )
+    te_modules = backend == "te"
+    if te_modules:
+        require_te()
     spec = get_gpt_layer_local_spec(qk_layernorm)
     layer = spec.submodules
     attn = layer.self_attention.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = TENorm
-    if qk_layernorm:
-        attn.q_layernorm = attn.k_layernorm = TENorm
-    attn.linear_qkv = TEColumnParallelLinear
-    attn.linear_proj = TERowParallelLinear
-    attn.core_attention = TEDotProductAttention
     mlp = layer.mlp.submodules
-    mlp.linear_fc1 = TEColumnParallelLinear
-    mlp.linear_fc2 = TERowParallelLinear
-    spec.module = FP8TransformerLayer
+    norm = TENorm if te_modules else Norm
+    fused = ModuleSpec(module=TELayerNormColumnParallelLinear, params={"backend": backend})
+    row = ModuleSpec(module=TERowParallelLinear, params={"backend": backend})
+    layer.input_layernorm = layer.pre_mlp_layernorm = torch.nn.Identity
+    layer.moe_pre_mlp_layernorm = norm
+    if qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = norm
+    attn.linear_qkv, attn.linear_proj = fused, row
+    attn.core_attention = TEDotProductAttention if te_modules else DotProductAttention
+    mlp.linear_fc1, mlp.linear_fc2 = fused, row
+    spec.module = FP8TransformerLayer if te_modules else TransformerLayer
     return spec
 
 
-def _tp_size(tp_group: Any) -> int:
-    if tp_group is None:
-        from pentatron.parallel_state import get_default_grid, model_parallel_is_initialized
+def TELayerNormColumnParallelLinear(
+    input_size: int, output_size: int, *, config: Any, backend: str = "te", **kwargs: Any
+) -> Any:
+    """`config.normalization` fused into a column-parallel linear: TE's LayerNormLinear, or
+    tp-layers' `LayerNormColumnParallelLinear` (same names and numbers) for "torch"."""
+    return layer_norm_column_parallel_linear(
+        input_size,
+        output_size,
+        normalization=config.normalization,
+        eps=config.layernorm_epsilon,
+        backend=backend,
+        **kwargs,
+    )
 
-        return get_default_grid().size("tp") if model_parallel_is_initialized() else 1
-    return torch.distributed.get_world_size(tp_group)
+
+TELayerNormColumnParallelLinear.fuses_input_norm = True  # type: ignore[attr-defined]
 
 
 def TEColumnParallelLinear(input_size: int, output_size: int, **kwargs: Any) -> Any:
-    """TE's column-parallel Linear; a strided (fused [gate, up]) weight at tp > 1 stays on
-    tp-layers' ColumnParallelLinear, whose split TE cannot express."""
-    if kwargs.get("stride", 1) > 1 and _tp_size(kwargs.get("tp_group")) > 1:
-        return ColumnParallelLinear(input_size, output_size, **kwargs)
-    return column_parallel_linear(input_size, output_size, backend="te", **kwargs)
+    """TE's column-parallel Linear (`backend=` "te" default, or "torch")."""
+    kwargs.setdefault("backend", "te")
+    return column_parallel_linear(input_size, output_size, **kwargs)
 
 
 def TERowParallelLinear(input_size: int, output_size: int, **kwargs: Any) -> Any:
     """TE's row-parallel Linear (input split over tp; all-reduce or SP reduce-scatter)."""
-    return row_parallel_linear(input_size, output_size, backend="te", **kwargs)
+    kwargs.setdefault("backend", "te")
+    return row_parallel_linear(input_size, output_size, **kwargs)
 
 
 class TEDotProductAttention(torch.nn.Module):
@@ -175,6 +210,8 @@ def _fp8_layer_class() -> Any:
 
     class _FP8TransformerLayer(TransformerLayer):
         """TransformerLayer run under `fp8_context(config, its amax-reduction group)`."""
+
+        runs_fp8 = True
 
         def forward(self, hidden: torch.Tensor, attention_mask: Any = None, rotary: Any = None):
             with fp8_context(self.config, amax_reduction_group(self.parallel)):

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from pentatron.tp_layers import init_method_normal, scaled_init_method_normal
 
-from .config import TransformerConfig
+from .config import ModelConfigError, TransformerConfig
+from .sharding import FUSED_NORMS
 from .spec import build_module
 
 
@@ -27,6 +28,9 @@ class TransformerLayerSubmodules:
     pre_mlp_layernorm: Any = None
     mlp: Any = None
     moe_mlp: Any = None  # built instead of `mlp` where config.moe_layer_pattern() is True
+    # The norm before `moe_mlp` where it differs from `pre_mlp_layernorm` (the TE spec fuses
+    # the dense MLP's norm into linear_fc1; a MoE layer's router needs it separate).
+    moe_pre_mlp_layernorm: Any = None
 
 
 def init_methods(config: TransformerConfig) -> tuple[Any, Any]:
@@ -47,7 +51,13 @@ def bias_dropout_add(
 
 
 class TransformerLayer(torch.nn.Module):
-    """One decoder layer; `layer_number` is global and 1-based (Megatron's convention)."""
+    """One decoder layer; `layer_number` is global and 1-based (Megatron's convention).
+
+    Loads a state dict of either layout: local (`input_layernorm.weight`) or TE
+    (`self_attention.linear_qkv.layer_norm_weight`), renaming the norm keys to its own.
+    """
+
+    runs_fp8 = False  # the TE spec's layer runs under fp8_autocast
 
     def __init__(
         self,
@@ -59,6 +69,12 @@ class TransformerLayer(torch.nn.Module):
         parallel: Any = None,
     ) -> None:
         super().__init__()
+        if config.fp8 is not None and not self.runs_fp8:
+            raise ModelConfigError(
+                f"fp8={config.fp8!r} with {type(self).__name__}: the rule: FP8 runs only in "
+                "the transformer-engine spec's layer; fix: get_gpt_layer_te_spec() (with "
+                "transformer-engine on CUDA), or fp8=None"
+            )
         self.config, self.layer_number = config, layer_number
         self.parallel = parallel  # the model's ModelParallel (groups for MoE and FP8), or None
         init, out_init = init_methods(config)
@@ -73,8 +89,20 @@ class TransformerLayer(torch.nn.Module):
             init_method=init,
             output_layer_init_method=out_init,
         )
-        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, h)
+        moe = config.moe_layer_pattern()[layer_number - 1]
+        norm = submodules.moe_pre_mlp_layernorm if moe else None
+        self.pre_mlp_layernorm = build_module(norm or submodules.pre_mlp_layernorm, config, h)
         self.mlp = self._build_mlp(submodules, tp_group, parallel, init, out_init)
+        self._register_load_state_dict_pre_hook(self._rename_norm_keys)
+
+    def _rename_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
+        """Rename the other layout's norm keys in `state_dict` to this layer's names."""
+        own = self.state_dict(keep_vars=True)
+        for local, fused in FUSED_NORMS.items():
+            for kind in ("weight", "bias"):
+                for theirs, ours in ((local + kind, fused + kind), (fused + kind, local + kind)):
+                    if ours in own and theirs not in own and prefix + theirs in state_dict:
+                        state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
 
     def _build_mlp(self, submodules, tp_group, parallel, init, out_init) -> Any:
         """The dense MLP, or the MoE layer where `config.moe_layer_pattern()` says so."""

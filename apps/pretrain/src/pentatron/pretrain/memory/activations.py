@@ -286,25 +286,22 @@ _TE_LINEAR = re.compile(
 def fp8_weight_copies(plan: MemoryPlan, pp_rank: int) -> int:
     """Bytes of the FP8 weight copies one micro-batch keeps on stage `pp_rank`.
 
-    Our TE spec calls TE's Linear without `is_first_microbatch`, so TE (>= 1.8; we pin
-    >= 1.9) quantizes each weight at every forward into a new FP8 tensor, row-wise for the
-    forward GEMM plus its transpose for dgrad (Hopper), and saves it for that micro-batch's
-    backward: 2 bytes per weight element, held like an activation. TE linears are
-    linear_qkv, linear_proj, linear_fc2 and linear_fc1 except SwiGLU's fc1 at tp > 1 (its
-    strided split stays on tp-layers' linear); MoE experts, shared experts, the router,
-    embeddings and the output layer stay local (not FP8). The app refuses FP8 with
-    recomputation, so every layer keeps its copies."""
+    Our TE spec calls TE's Linear / LayerNormLinear without `is_first_microbatch`, so TE
+    (>= 1.8; we pin >= 1.9) quantizes each weight at every forward into a new FP8 tensor,
+    row-wise for the forward GEMM plus its transpose for dgrad (Hopper), and saves it for
+    that micro-batch's backward: 2 bytes per weight element, held like an activation. TE
+    linears are linear_qkv and linear_fc1 (with their fused norms), linear_proj and
+    linear_fc2; MoE experts, shared experts, the router, embeddings and the output layer
+    stay local (not FP8). The app refuses FP8 with recomputation, so every layer keeps its
+    copies."""
     c = plan.config
     if not c.fp8:
         return 0
     n = 0
     for vp in range(plan.vpp):
         for p in chunk_parameters(plan, pp_rank, vp):
-            if _TE_LINEAR.match(p.name) is None:
-                continue
-            if p.name.endswith("mlp.linear_fc1.weight") and c.gated_linear_unit and plan.tp > 1:
-                continue
-            n += p.numel
+            if _TE_LINEAR.match(p.name) is not None:
+                n += p.numel
     return 2 * n
 
 

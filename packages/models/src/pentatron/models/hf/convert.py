@@ -32,7 +32,7 @@ from pentatron.tp_layers import pad_vocab_size
 from ..config import TransformerConfig
 from ..gpt_model import GPTModel
 from ..layer_specs import get_gpt_layer_local_spec
-from ..sharding import global_param_name, merge_shards, param_sharding
+from ..sharding import global_param_name, merge_shards, param_sharding, state_tensors
 from ..transformer_block import get_layer_offset, get_num_layers_to_build
 from .config_map import config_from_hf
 from .moe_map import default_expert_layout
@@ -62,7 +62,7 @@ def _sizes(grid: ProcessGrid | None) -> dict[str, Any]:
 def load_from_source(model: GPTModel, src: TensorSource) -> None:
     """Fill every parameter of `model` (one chunk, any tp rank) from HF tensors in `src`."""
     par = model.parallel
-    for local, param in model.state_dict(keep_vars=True).items():
+    for local, param in state_tensors(model, keep_vars=True).items():
         name = global_param_name(local, model.layer_offset)
         part = read_shard(
             name,
@@ -269,7 +269,7 @@ def to_hf(
     for chunk in chunks:
         full = {
             global_param_name(local, chunk.layer_offset): _gather_tp(local, t, chunk)
-            for local, t in chunk.state_dict().items()
+            for local, t in state_tensors(chunk).items()
         }
         out.update(full_to_hf(full, chunk.config, chunk.vocab_size, expert_layout=layout))
     par = chunks[0].parallel
