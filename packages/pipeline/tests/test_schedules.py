@@ -78,6 +78,7 @@ def _run_case(grid, case: dict) -> dict:
     blocks = build_blocks()
     chunks = [Chunk(blocks, layout.layers(rank, c), rank == 0 and c == 0, c) for c in range(v)]
     rec = _Recorder()
+    cache_flags = _probe_weight_cache(chunks)
     for chunk in chunks:
         first = next(chunk.parameters())
         first.register_post_accumulate_grad_hook(
@@ -178,7 +179,27 @@ def _run_case(grid, case: dict) -> dict:
         "finalize": rec.finalize_tokens,
         "peak_mbs": peak["mbs"],
         "alive_outputs": peak["alive_outputs"],
+        "cache_flags": cache_flags,
+        "cache_after": [b.is_first_microbatch for c in chunks for b in c.blocks],
     }
+
+
+def _probe_weight_cache(chunks) -> dict[int, list]:
+    """Give every block the weight-cache protocol of TE's linears (`is_first_microbatch`:
+    None outside a schedule; True: cast and cache, then set False; False: reuse) and record
+    the flag each forward sees, per layer."""
+    seen: dict[int, list] = {}
+    for chunk in chunks:
+        for layer, block in zip(chunk.layers, chunk.blocks):
+            block.is_first_microbatch = None
+
+            def probe(module, args, layer=layer):
+                seen.setdefault(layer, []).append(module.is_first_microbatch)
+                if module.is_first_microbatch:
+                    module.is_first_microbatch = False
+
+            block.register_forward_pre_hook(probe)
+    return seen
 
 
 def _run_cases(cases: list[dict]) -> list[dict]:
@@ -252,6 +273,16 @@ def check_case(case: dict, results: list[dict]) -> None:
             assert r["finalize"] == []
     if not case.get("variable"):
         check_ledger(case, results)
+
+
+def check_weight_cache(case: dict, results: list[dict]) -> None:
+    """Each layer casts its weights at its first micro-batch of the call and reuses them for
+    the other m - 1; after the call no module is left reading a cache."""
+    for r in results:
+        assert r["cache_flags"] and len(r["cache_flags"]) == r["nparams"], r["rank"]
+        for layer, flags in r["cache_flags"].items():
+            assert flags == [True] + [False] * (case["m"] - 1), (case, r["rank"], layer)
+        assert all(flag is None for flag in r["cache_after"]), (case, r["rank"])
 
 
 def check_ledger(case: dict, results: list[dict]) -> None:
@@ -340,6 +371,7 @@ def test_schedules_match_single_process(distributed, world):
     for i, case in enumerate(cases):
         per_rank = [results[r][i] for r in range(world)]
         check_case(case, per_rank)
+        check_weight_cache(case, per_rank)
         if case.get("hooks") == "sync":
             check_sync_hooks(case, per_rank)
         elif not case.get("forward_only"):
@@ -374,6 +406,7 @@ def test_no_pipelining(distributed, forward_only):
     case = dict(m=3, forward_only=forward_only)
     (result,) = distributed.run(1, _no_pipelining, 3, forward_only)
     check_case(case, [result])
+    check_weight_cache(case, [result])
     if not forward_only:
         check_hooks(case, [result])
         assert result["peak_mbs"] == 1  # one micro-batch's activations at a time

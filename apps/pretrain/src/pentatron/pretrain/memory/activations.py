@@ -284,16 +284,15 @@ _TE_LINEAR = re.compile(
 
 
 def fp8_weight_copies(plan: MemoryPlan, pp_rank: int) -> int:
-    """Bytes of the FP8 weight copies one micro-batch keeps on stage `pp_rank`.
+    """Bytes of TE's cached FP8 weight copies on stage `pp_rank`.
 
-    Our TE spec calls TE's Linear / LayerNormLinear without `is_first_microbatch`, so TE
-    (>= 1.8; we pin >= 1.9) quantizes each weight at every forward into a new FP8 tensor,
-    row-wise for the forward GEMM plus its transpose for dgrad (Hopper), and saves it for
-    that micro-batch's backward: 2 bytes per weight element, held like an activation. TE
-    linears are linear_qkv and linear_fc1 (with their fused norms), linear_proj and
-    linear_fc2; MoE experts, shared experts, the router, embeddings and the output layer
-    stay local (not FP8). The app refuses FP8 with recomputation, so every layer keeps its
-    copies."""
+    Each schedule call opens a weight-cache window (`is_first_microbatch`, as Megatron
+    passes it): a TE linear casts its weight to FP8 at its first micro-batch, row-wise for
+    the forward GEMM plus its transpose for dgrad (Hopper), keeps that copy, and the other
+    micro-batches' forwards and backwards use it: 2 bytes per weight element, once, for as
+    long as the model lives. TE linears are linear_qkv and linear_fc1 (with their fused
+    norms), linear_proj and linear_fc2; MoE experts, shared experts, the router,
+    embeddings and the output layer stay local (not FP8)."""
     c = plan.config
     if not c.fp8:
         return 0

@@ -24,7 +24,7 @@ class StageMemory:
     grads_bytes: int
     main_params_bytes: int
     optimizer_bytes: int
-    fp8_weight_cache_bytes: int  # TE's FP8 weight copies, per micro-batch in flight
+    fp8_weight_cache_bytes: int  # TE's cached FP8 weight copies (one per TE-linear weight)
     activations_bytes: int
     comm_buffers_bytes: int
     total_bytes: int
@@ -66,8 +66,7 @@ def korthikanti_stage(plan: MemoryPlan, pp_rank: int) -> int:
 def stage_memory(plan: MemoryPlan, pp_rank: int, device_bytes: int | None = None) -> StageMemory:
     st = static_bytes(plan, pp_rank)
     act = stage_activations(plan, pp_rank)
-    # FP8 weight copies live from a micro-batch's forward to its backward, like activations
-    fp8 = int(fp8_weight_copies(plan, pp_rank) * act.in_flight)
+    fp8 = fp8_weight_copies(plan, pp_rank)  # cached once per step, not per micro-batch
     comm = _comm_buffers(plan)
     total = (
         st.weights_bytes

@@ -12,6 +12,7 @@ Model chunks receive their input through `chunk.set_input_tensor([tensor or None
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,37 @@ class GradSync:
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
+
+
+@contextlib.contextmanager
+def weight_cache_window(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """One schedule call as the span over which modules may cache a transform of their
+    weights (Megatron's `is_first_microbatch`: TE's linears keep their FP8 cast).
+
+    Every module with an `is_first_microbatch` attribute gets True on entry, so its first
+    forward in the call recasts and caches (the module then sets False itself and reuses
+    the cache), and None on exit, so a forward outside a schedule, or after an optimizer
+    step, never reads a stale cache. Weights change only between calls.
+    """
+    modules = [m for c in chunks for m in c.modules() if hasattr(m, "is_first_microbatch")]
+    for m in modules:
+        m.is_first_microbatch = True
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.is_first_microbatch = None
+
+
+def caches_weights_per_call(schedule: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `schedule(model=..., ...)` inside `weight_cache_window` of its chunks."""
+
+    @functools.wraps(schedule)
+    def run(*, model: Any, **kwargs: Any) -> Any:
+        with weight_cache_window(as_chunks(model)):
+            return schedule(model=model, **kwargs)
+
+    return run
 
 
 def as_chunks(model: Any) -> list[torch.nn.Module]:

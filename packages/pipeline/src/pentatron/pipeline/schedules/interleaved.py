@@ -27,6 +27,7 @@ from .common import (
     as_chunks,
     as_iterators,
     backward_step,
+    caches_weights_per_call,
     deallocate_output_tensor,
     finalize,
     forward_step,
@@ -310,6 +311,7 @@ class _Interleaved:
                     self.synced.add(chunk)
 
 
+@caches_weights_per_call
 def forward_backward_pipelining_with_interleaving(
     *,
     forward_step_func: Any,

@@ -16,12 +16,14 @@ from .common import (
     as_chunks,
     as_iterators,
     backward_step,
+    caches_weights_per_call,
     finalize,
     forward_step,
     resolve_config,
 )
 
 
+@caches_weights_per_call
 def forward_backward_no_pipelining(
     *,
     forward_step_func: Any,

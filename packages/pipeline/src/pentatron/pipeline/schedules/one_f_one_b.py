@@ -25,6 +25,7 @@ from .common import (
     as_chunks,
     as_iterators,
     backward_step,
+    caches_weights_per_call,
     deallocate_output_tensor,
     finalize,
     forward_step,
@@ -136,6 +137,7 @@ class _OneFOneB:
                 self.config.grad_sync_func(self.model.parameters())
 
 
+@caches_weights_per_call
 def forward_backward_pipelining_without_interleaving(
     *,
     forward_step_func: Any,

@@ -153,13 +153,20 @@ def _te_class(fused_norm: bool) -> type:
     base = _te().LayerNormLinear if fused_norm else _te().Linear
 
     class TEParallelLinear(base):
+        # None: TE casts the weight to FP8 at every forward. A schedule call sets True
+        # (pentatron.pipeline's weight_cache_window): the first forward casts and caches,
+        # the following micro-batches of that call reuse the cached FP8 weight.
+        is_first_microbatch: bool | None = None
+
         def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
             if weight is not None:
                 raise TPConfigError(
                     "forward(weight=...) with the transformer-engine backend: TE layers own "
                     "their weight; fix: use backend='torch' for a tied output layer"
                 )
-            out = super().forward(x)
+            out = super().forward(x, is_first_microbatch=self.is_first_microbatch)
+            if self.is_first_microbatch:
+                self.is_first_microbatch = False
             return out if self.pentatron_returns_bias else (out, None)
 
     return TEParallelLinear
