@@ -93,11 +93,12 @@ class TransformerLayer(torch.nn.Module):
         norm = submodules.moe_pre_mlp_layernorm if moe else None
         self.pre_mlp_layernorm = build_module(norm or submodules.pre_mlp_layernorm, config, h)
         self.mlp = self._build_mlp(submodules, tp_group, parallel, init, out_init)
+        # the private form: torch 2.4 (our floor) has no public load-state-dict pre-hook
         self._register_load_state_dict_pre_hook(self._rename_norm_keys)
 
     def _rename_norm_keys(self, state_dict: dict, prefix: str, *_: Any) -> None:
         """Rename the other layout's norm keys in `state_dict` to this layer's names."""
-        own = self.state_dict(keep_vars=True)
+        own = {name for name, _ in self.named_parameters()}
         for local, fused in FUSED_NORMS.items():
             for kind in ("weight", "bias"):
                 for theirs, ours in ((local + kind, fused + kind), (fused + kind, local + kind)):
