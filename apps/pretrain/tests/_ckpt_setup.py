@@ -78,10 +78,15 @@ def make_grid(tp: int, pp: int, vpp: int | None) -> ProcessGrid:
 
 
 def build_run(
-    grid: ProcessGrid, state: dict | None, dist_opt: bool, bf16: bool = False, **overrides: Any
+    grid: ProcessGrid,
+    state: dict | None,
+    dist_opt: bool,
+    bf16: bool = False,
+    spec: Any = None,
+    **overrides: Any,
 ) -> Run:
     """Model chunks at the grid's layout (from `state`), DDP, Adam, warm-up + cosine lr;
-    `bf16`: bf16 params with fp32 main params."""
+    `bf16`: bf16 params with fp32 main params; `spec`: the layer spec (default local)."""
     if bf16:
         overrides["params_dtype"] = torch.bfloat16
     config = dataclasses.replace(
@@ -92,7 +97,7 @@ def build_run(
     )
     models = build_model_chunks(
         config,
-        get_gpt_layer_local_spec(),
+        spec or get_gpt_layer_local_spec(),
         VOCAB,
         S,
         grid,

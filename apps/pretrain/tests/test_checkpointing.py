@@ -7,6 +7,8 @@ the same layout reproduces params, optimizer state, scheduler, RNG and the next 
 for bit; at tp4-pp2-dp1, tp1-pp1-dp4 (plain optimizer) and tp1-pp2-vpp2-dp2 the next two
 losses match within fp32 reordering (`TOL`); the second loss checks the loaded Adam state.
 A checkpoint saved without the distributed optimizer (tp1-dp4) resumes at tp2-dp2 with it;
+the local spec's checkpoint resumes in the TE spec's layout (norms fused into the linears,
+PyTorch backend) at tp2-pp2-dp1;
 bf16 params keep their fp32 main params. `test_lifecycle`: no checkpoint, keep_last, a save
 killed after the DCP write, finetune, an incompatible config. `test_rectangles_*`: the tp
 shards' rectangles tile every global tensor (vocabulary padding included).
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _ckpt_setup import TOL, build_run, full_state, make_grid, one_loss, tiny_config, train_step
 
+from pentatron.models import get_gpt_layer_te_spec
 from pentatron.parallel_state import comm, destroy_model_parallel
 from pentatron.pretrain import checkpointing as ckpt
 from pentatron.pretrain.checkpointing import save as save_module
@@ -163,6 +166,14 @@ def load_at_world4(root, states):
     out["from_plain_loss"] = train_step(run, 3)
     out["bf16"] = _bf16_round_trip(grid, os.path.join(root, "bf16"), states)
     destroy_model_parallel(grid)
+
+    grid = make_grid(2, 2, None)  # the TE spec's layout (norms fused into the linears)
+    run = build_run(grid, states[1], dist_opt=True, spec=get_gpt_layer_te_spec(backend="torch"))
+    _load(run, root)
+    fused = [n for c in run.chunks for n, _ in c.module.named_parameters() if "layer_norm_" in n]
+    out["te_layout_fused_norms"] = len(fused)
+    out["tp2_pp2_dp1_te_layout"] = [train_step(run, step) for step in (2, 3)]
+    destroy_model_parallel(grid)
     return out
 
 
@@ -208,7 +219,9 @@ def test_same_layout_round_trip_is_exact(resharded):
     assert got == ref  # bitwise on CPU
 
 
-@pytest.mark.parametrize("key", ["tp4_pp2_dp1", "tp1_pp1_dp4", "tp1_pp2_vpp2_dp2"])
+@pytest.mark.parametrize(
+    "key", ["tp4_pp2_dp1", "tp1_pp1_dp4", "tp1_pp2_vpp2_dp2", "tp2_pp2_dp1_te_layout"]
+)
 def test_resharded_load_continues_the_run(resharded, key):
     _, first, second = resharded
     ref = torch.tensor([one_loss([r["ref"][i] for r in first]) for i in range(2)])
@@ -224,6 +237,7 @@ def test_resharded_load_keeps_invariants(resharded):
         assert r["mains_are_params"]
         assert r["tied_equal"] in (None, True)
         assert r["from_plain"].iteration == 3
+        assert r["te_layout_fused_norms"] == 2 * 2  # 2 layers a stage, 2 norms each
         assert r["bf16"] == {"same_state": True, "rounded": True, "mains_not_bf16": True}
     assert any(r["tied_equal"] for r in second)  # the pp2 run has tied copies
     # saved without the distributed optimizer at tp1-dp4, resumed at tp2-dp2 with it
