@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+if not BENCHMARKS.is_dir():
+    pytest.skip(
+        "benchmarks/ lives in the repository, not in the wheel's test copy",
+        allow_module_level=True,
+    )
 
 
 def _load(name: str = "comm_volume"):

@@ -363,8 +363,8 @@ def _hf(tmp_path, capsys, cfg: dict, *flags: str) -> int:
 
 
 def _hf_model_params(cfg: dict) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    transformers = pytest.importorskip("transformers")  # a test-only reference, not a dep
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
     return sum(p.numel() for p in model.parameters())
 
