@@ -1,14 +1,18 @@
 """Cross-entropy over logits sharded along the vocabulary, without gathering them.
 
     logits [s, b, V/t] on each rank
-      -> local max -> all-reduce(MAX, tp) of [s, b]
-      -> local (target logit, sum exp, [sum of logits]) -> one all-reduce(SUM, tp) of [2|3, s, b]
-      -> per-token loss [s, b]
+      -> local softmax p (one fused kernel) and local log-sum-exp [s, b]
+      -> all-reduce(MAX, tp) of the local log-sum-exps [s, b]
+      -> (target logit, sum exp(lse_r - max), [sum of logits]) -> one all-reduce(SUM) [2|3, s, b]
+      -> per-token loss [s, b]; p rescaled to the global softmax, saved for backward
 
 So the forward moves O(s*b) elements and the backward none: the gradient
-`softmax - (1-eps) onehot - eps/V` is formed from the local shard alone. Label smoothing
-follows torch.nn.functional.cross_entropy: `(1-eps) * nll + eps * mean_j(-log p_j)`, the mean
-over the full vocabulary V (found with the same all-reduce, not over the local shard).
+`softmax - (1-eps) onehot - eps/V` is formed from the local shard alone. The local
+log-sum-exp is read off the softmax: its largest entry is exp(max - lse), so lse = max -
+log(max p), two cheap reductions instead of separate max, exp and sum passes over [s, b, V/t].
+Label smoothing follows torch.nn.functional.cross_entropy: `(1-eps) * nll + eps *
+mean_j(-log p_j)`, the mean over the full vocabulary V (found with the same all-reduce, not
+over the local shard).
 """
 
 from __future__ import annotations
@@ -43,26 +47,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         part = logits.size(-1)
         vocab = part * n
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logits_max = x.max(dim=-1).values
-        _all_reduce(logits_max, group, comm.ReduceOp.MAX)
-        shifted = x - logits_max.unsqueeze(-1)  # exp of it cannot overflow
+        softmax = torch.softmax(x, dim=-1)  # of this shard; rescaled below when t > 1
+        lse = x.amax(dim=-1) - softmax.amax(dim=-1).log()  # this shard's log-sum-exp
         local_t, foreign = _local_target(target, rank * part, (rank + 1) * part)
-        predicted = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
-        smoothing_sum = shifted.sum(dim=-1) if label_smoothing > 0 else None
-        # In place from here: `shifted` becomes exp, then the softmax saved for backward
-        # (each pass over [s, b, V/t] is the cost of this function).
-        exp = shifted.exp_()
-        stats = [predicted.masked_fill(foreign, 0.0), exp.sum(dim=-1)]
-        if smoothing_sum is not None:
-            stats.append(smoothing_sum)
+        predicted = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+        if n > 1:
+            top = lse.clone()
+            _all_reduce(top, group, comm.ReduceOp.MAX)  # exp(lse - top) cannot overflow
+            stats = [predicted, (lse - top).exp()]
+        else:
+            top, stats = lse, [predicted]
+        if label_smoothing > 0:
+            stats.append(x.sum(dim=-1))
         stats = torch.stack(stats)
         _all_reduce(stats, group, comm.ReduceOp.SUM)  # one small collective for all sums
-        log_z = stats[1].log()
+        log_z = top + stats[1].log() if n > 1 else lse
         loss = log_z - stats[0]
         if label_smoothing > 0:
-            mean_log_p = stats[2] / vocab - log_z
+            mean_log_p = stats[-1] / vocab - log_z
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_p
-        ctx.save_for_backward(exp.div_(stats[1].unsqueeze(-1)), local_t, foreign)
+        if n > 1:  # the shard's softmax times its share of the global normaliser
+            softmax.mul_((lse - log_z).exp().unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, foreign)
         ctx.label_smoothing, ctx.vocab, ctx.in_dtype = label_smoothing, vocab, logits.dtype
         return loss
 
