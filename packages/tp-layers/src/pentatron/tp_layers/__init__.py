@@ -52,7 +52,7 @@ from .utils import (
     vocab_range,
 )
 
-__version__ = "0.1.2"
+__version__ = "0.1.3"
 
 __all__ = [
     "te_available",

@@ -76,12 +76,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, None, None, None]:
         softmax, local_t, foreign = ctx.saved_tensors
         eps = ctx.label_smoothing
+        g = grad_loss.unsqueeze(-1)
+        # One pass over [s, b, V/t] into a new tensor (the saved softmax stays intact for a
+        # retained graph); the one-hot and smoothing terms are then small or in place.
+        grad = softmax * g
         own = (~foreign).to(softmax.dtype).unsqueeze(-1)
-        # One copy of the saved softmax (kept intact for a retained graph), then in place.
-        grad = softmax.scatter_add(-1, local_t.unsqueeze(-1), -(1.0 - eps) * own)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * own * g)
         if eps > 0:
-            grad.sub_(eps / ctx.vocab)
-        grad.mul_(grad_loss.unsqueeze(-1))
+            grad.sub_((eps / ctx.vocab) * g)
         return grad.to(ctx.in_dtype), None, None, None
 
 
