@@ -4,7 +4,8 @@ per-token losses and the gradient of every parameter (shards merged with
 `merge_shards`), fp32, rtol 1e-5 / atol 1e-6. Tied embeddings on the first and last stage
 stay identical after an Adam step. Two layouts use the TE spec's layout in PyTorch
 (`get_gpt_layer_te_spec(backend="torch")`: norms fused into linear_qkv / linear_fc1,
-loaded from the local spec's state dict through the canonical global names).
+loaded from the local spec's state dict through the canonical global names). One layout
+("local-fused") runs SwiGLU fused (`bias_activation_fusion`) against the unfused reference.
 
 All layouts run in one call on a pool of 4 gloo ranks; the reference runs in this process.
 """
@@ -65,9 +66,11 @@ LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
     (2, 2, 2, True, True, "local"),
     (4, 1, None, True, True, "te-torch"),
     (2, 2, 2, True, True, "te-torch"),
+    (2, 2, 2, True, True, "local-fused"),
 ]
 SPECS = {
     "local": get_gpt_layer_local_spec,
+    "local-fused": get_gpt_layer_local_spec,
     "te-torch": lambda: get_gpt_layer_te_spec(backend="torch"),
 }
 
@@ -104,7 +107,9 @@ def _run(grid, config, chunks, data):
 def _case(grid, base, layout, states, data):
     tp, pp, vpp, sp, tied, spec = layout
     config = dataclasses.replace(
-        with_layout(base, tp, pp, vpp, sp), untie_embeddings_and_output_weights=not tied
+        with_layout(base, tp, pp, vpp, sp),
+        untie_embeddings_and_output_weights=not tied,
+        bias_activation_fusion=spec.endswith("-fused"),
     )
     chunks = build_model_chunks(
         config,

@@ -6,7 +6,8 @@ is therefore ng/t whole groups, so tensor parallelism splits heads and groups to
 
     [s, b, h] (SP: [s/t, b, h]) -> linear_qkv (SP: all-gather(tp)) -> [s, b, (nq+2ng) d / t]
       -> q [s, b, nq/t, d], k, v [s, b, ng/t, d] -> q/k norm -> RoPE
-      -> core attention (SDPA, k/v repeated to nq/t heads) -> [s, b, nq d / t]
+      -> core attention (SDPA; grouped k/v, repeated to nq/t heads only with a mask)
+      -> [s, b, nq d / t]
       -> linear_proj (all-reduce(tp); SP: reduce-scatter(tp)) -> [s, b, h] (SP: [s/t, b, h])
 """
 
@@ -16,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
 
 from .config import TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .rope import apply_rotary_pos_emb
+from .sdpa import grouped_sdpa
 from .spec import build_linear, build_module
 
 
@@ -60,7 +61,6 @@ class DotProductAttention(torch.nn.Module):
         self.config, self.layer_number = config, layer_number
         self.cp_group = cp_group
         self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
-        self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.scale = 1.0 / (config.kv_channels**0.5)
 
     def set_cp_group(self, group: Any) -> None:
@@ -76,13 +76,10 @@ class DotProductAttention(torch.nn.Module):
             check_cp_inputs(self.config, self.cp_group, s, attention_mask, p)
             return context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
-        if self.heads_per_group > 1:
-            k = k.repeat_interleave(self.heads_per_group, dim=1)
-            v = v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         with self._dropout_rng(p):
-            out = F.scaled_dot_product_attention(
+            out = grouped_sdpa(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, scale=self.scale
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

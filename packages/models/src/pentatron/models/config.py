@@ -70,6 +70,11 @@ class TransformerConfig:
 
     `activation`: "gelu" (fc1 -> GeLU -> fc2) or "swiglu" (fc1 holds [gate, up];
     silu(gate) * up -> fc2); `gated_linear_unit` and `activation_func` give Megatron's view.
+    `bias_activation_fusion` (Megatron's field; its training flags turn it on by default)
+    runs SwiGLU as one autograd function that keeps only fc1's output for backward, `F`
+    fewer elements per token and layer, with bitwise the same numbers (`activations.py`).
+    GeLU is unchanged by it: autograd's GeLU already keeps only its input, and the exact
+    (erf) GeLU is kept where Megatron's fused kernel switches to the tanh approximation.
     `apply_query_key_layer_scaling` is accepted for compatibility: with SDPA it changes no
     number (it only rescales inside a fused fp16 softmax in Megatron).
     """
@@ -83,6 +88,7 @@ class TransformerConfig:
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu"
+    bias_activation_fusion: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False

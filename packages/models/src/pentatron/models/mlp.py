@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .activations import mlp_activation
 from .config import TransformerConfig
 from .spec import build_linear, build_module
 
@@ -67,9 +68,4 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, _ = self.linear_fc1(x)
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = self.config.activation_func(gate) * up
-        else:
-            h = self.config.activation_func(h)
-        return self.linear_fc2(h)
+        return self.linear_fc2(mlp_activation(self.config, h))

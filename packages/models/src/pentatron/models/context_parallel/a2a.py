@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pentatron.parallel_state import comm
 
 from ..config import ModelConfigError
+from ..sdpa import grouped_sdpa
 
 
 def _a2a(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -87,10 +87,7 @@ def a2a_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
     chunk = s // (2 * cp)
     perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
     q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
-    rep = n // g
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out = grouped_sdpa(q, k, v, is_causal=True, scale=scale)
     out = out.permute(2, 0, 1, 3)  # [s, b, n/cp, d] in global order
     back = torch.argsort(perm)
     return HeadToSeq.apply(out.index_select(0, back).contiguous(), group)

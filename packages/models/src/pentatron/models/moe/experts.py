@@ -26,6 +26,8 @@ import torch
 
 from pentatron.tp_layers import shard_of
 
+from ..activations import mlp_activation
+
 
 class ExpertLinear(torch.nn.Module):
     """Stacked weights `[E_local, out, in]` (+ bias `[E_local, out]`) of one expert linear."""
@@ -110,10 +112,7 @@ class SequentialMLP(torch.nn.Module):
             )
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            return self.config.activation_func(gate) * up
-        return self.config.activation_func(h)
+        return mlp_activation(self.config, h)
 
     def fc2_bias(self, e: int) -> torch.Tensor | None:
         """fc2's bias on etp rank 0 only (the etp shards of fc2's output are summed later)."""
