@@ -200,3 +200,15 @@ def test_moe_flags_reach_the_model_and_parallel_configs():
     assert model.moe_layer_pattern() == [False] + [True] * 7
     assert model.moe_token_dispatcher_type == "alltoall" and model.moe_aux_loss_coeff == 0.01
     assert configs.parallel_config(args).ep == 2
+
+
+@pytest.mark.parametrize(
+    "flags, fused",
+    [(["--swiglu"], True), (["--swiglu", "--no-bias-swiglu-fusion"], False), ([], False)],
+)
+def test_swiglu_fusion_follows_megatron_flags(flags, fused):
+    """Megatron's --no-bias-swiglu-fusion: fused SwiGLU by default, never for GeLU."""
+    from pentatron.pretrain.training import configs
+
+    model = configs.transformer_config(_validated(flags, 1))
+    assert model.bias_activation_fusion is fused

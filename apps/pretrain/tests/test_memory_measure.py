@@ -75,7 +75,9 @@ LAYOUTS = {
     },
     2: {
         "tp2-sp-bf16": BF16 + GQA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        # SwiGLU through plain autograd (it also keeps silu(gate)); the others run it fused
         "tp2-learned": [
+            "--no-bias-swiglu-fusion",
             "--tensor-model-parallel-size",
             "2",
             "--position-embedding-type",

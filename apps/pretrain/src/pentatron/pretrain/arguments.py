@@ -37,6 +37,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument(
+        "--no-bias-swiglu-fusion",
+        dest="bias_swiglu_fusion",
+        action="store_false",
+        help="SwiGLU through plain autograd, which also keeps silu(gate) for backward",
+    )
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")

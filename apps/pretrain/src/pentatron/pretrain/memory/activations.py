@@ -13,11 +13,12 @@ Per transformer layer (no recompute):
   copies of its weight and bias `8h`, which layer_norm's backward keeps);
 - attention: the fused QKV output `e sb(nq+2ng)d/t` (RoPE and SDPA keep views of it);
   RoPE's rotated q and k `e sb(nq+ng)d/t` (+ in 16-bit the cos/sin casts `4 e s b_pos r`);
-  with GQA the repeated k and v `2 e sb nq d/t`; SDPA's output `e sb nq d/t` (also the
+  SDPA takes GQA's grouped k and v as they are, except for heads over 256 dims, where
+  the repeated k and v `2 e sb nq d/t` are kept instead; SDPA's output `e sb nq d/t` (also the
   input of linear_proj) and its fp32 log-sum-exp `4 b nq/t s`. SDPA is a flash kernel: no
   `s x s` matrix is stored, which is why Korthikanti's `5as/h` term is absent;
-- MLP: fc1 output `e sb F1/t`; SwiGLU's silu(gate) and silu(gate)*up `2 e sb F/t`
-  (GeLU: its output `e sb F/t`);
+- MLP: fc1 output `e sb F1/t`; the activation's output (fc2's input) `e sb F/t`; SwiGLU
+  without bias_activation_fusion also silu(gate) `e sb F/t`;
 - dropout (p > 0): a mask per dropped element (not in the measured matrix).
 Selective recompute checkpoints core attention: its inputs stay (q, k, QKV output), the
 log-sum-exp and the GQA repeats go. Full recompute keeps only each checkpoint's input
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from pentatron.models.sdpa import MAX_GQA_HEAD_DIM
 
 from .plan import MemoryPlan
 from .static import chunk_layers, chunk_parameters, is_first_chunk, is_last_chunk
@@ -91,7 +94,7 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
     out.attention, out.core_attention = att, core
     ffn = c.moe_ffn_size if is_moe else c.ffn_hidden_size
     f1 = ffn * (2 if c.gated_linear_unit else 1)
-    mlp = e * sb * f1 // t + e * sb * ffn // t * (2 if c.gated_linear_unit else 1)
+    mlp = e * sb * f1 // t + e * sb * ffn // t * _act_copies(c)
     if is_moe:
         mlp, out.moe_dispatch, correction = _moe_terms(plan, s_, b, e)
         out.mlp_norm += correction
@@ -99,16 +102,25 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
     return out
 
 
+def _act_copies(c) -> int:
+    """`[.., F]` tensors the activation leaves for backward: fc2's input, and silu(gate)
+    when SwiGLU runs through plain autograd (see pentatron.models.activations)."""
+    return 2 if c.gated_linear_unit and not c.bias_activation_fusion else 1
+
+
 def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     """(QKV/RoPE/SDPA-input bytes, core-attention bytes). RoPE's multiplies keep only
     cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
-    unless GQA repeats them (then the repeats are kept instead); q is a copy with RoPE or
-    GQA. Selective recompute keeps the checkpoint's inputs q, k, v (before any repeat).
+    unless GQA repeats them (heads over 256 dims; then the repeats are kept instead); q is
+    a copy with RoPE or those repeats. Selective recompute keeps the checkpoint's inputs q, k, v (before any repeat).
     With cp > 1 see `_cp_attention_terms`."""
     c = plan.config
     if plan.cp > 1:
         return _cp_attention_terms(plan, sb, b, e, nq, ng, d)
-    rope, gqa = c.position_embedding_type == "rope", nq != ng
+    rope = c.position_embedding_type == "rope"
+    # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims
+    # (or with an attention mask, which the app never passes): pentatron.models.attention.
+    gqa = nq != ng and d > MAX_GQA_HEAD_DIM
     selective = c.recompute_granularity == "selective"
     att = e * sb * nq * d if (rope or gqa) else 0
     if selective or not gqa:
@@ -126,8 +138,9 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
       fp32 log-sum-exp `4 b nq s/cp`; linear_proj keeps its own contiguous copy of the
       output `e sb nq d`. K/V of other ranks are re-received in backward, not kept;
     - a2a (Ulysses): q, k, v are exchanged to all s and nq/cp heads and re-ordered, so
-      RoPE's outputs and the QKV output are not kept; SDPA keeps q, k, v (k, v repeated
-      to nq/cp with GQA), its output, log-sum-exp, and the two int64 orderings `16 s`;
+      RoPE's outputs and the QKV output are not kept; SDPA keeps q, k, v (with GQA k, v
+      at ng/cp heads, repeated to nq/cp only for heads over 256 dims), its output,
+      log-sum-exp, and the two int64 orderings `16 s`;
       linear_proj keeps the exchanged-back output `e sb nq d`.
     Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute with cp is
     not measured (sized as without it)."""
@@ -135,7 +148,8 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     rope = c.position_embedding_type == "rope"
     lse = 4 * nq * sb
     if c.cp_comm_type == "a2a":
-        core = 4 * e * sb * nq * d + lse + 16 * sb // b * cp  # q, k, v, out: nq/cp heads
+        kv = ng if nq != ng and d <= MAX_GQA_HEAD_DIM else nq  # heads of k and v
+        core = e * sb * (2 * nq + 2 * kv) * d + lse + 16 * sb // b * cp  # q, k, v, out
         return 0, core + e * sb * nq * d
     att = e * sb * (nq + 2 * ng) * d + (e * sb * (nq + ng) * d if rope else 0)
     return att, 4 * sb * nq * d + lse + e * sb * nq * d
@@ -173,7 +187,7 @@ def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int
       routing map `E'R` with R rows routed (alltoall: T, E' = E; allgather: etp*ep*T,
       E' = E/ep);
     - experts: their input `e M h`, fc1 output `e M F1/etp`, activation `e M F/etp`
-      (SwiGLU: silu(gate) and its product, `2 e M F/etp`);
+      (SwiGLU without bias_activation_fusion: silu(gate) too, `2 e M F/etp`);
     - shared experts: a dense MLP of width F_s over tp; gated (Qwen2-MoE), the product
       `out * sigmoid(x g)` also keeps the shared output `e Th` and the gate `e T` (derived
       from the autograd ops, not measured: the app has no flag for the gate)."""
@@ -182,11 +196,11 @@ def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int
     rows, m = _routed_rows(plan, t)
     glu = 2 if c.gated_linear_unit else 1
     f = c.moe_ffn_size // plan.etp
-    mlp = e * m * (h + f * glu + f * glu)
+    mlp = e * m * (h + f * glu + f * _act_copies(c))
     shared = c.moe_shared_expert_intermediate_size
     if shared:
         s_full = plan.seq_length // plan.cp
-        mlp += e * s_full * b * (shared // plan.tp) * 2 * glu
+        mlp += e * s_full * b * (shared // plan.tp) * (glu + _act_copies(c))
         if c.moe_shared_expert_gate:  # out * sigmoid(x g): the product keeps out and the gate
             mlp += e * t * h + e * t
     router = 12 * t * k + (4 * t * h + 4 * n_exp * h if e != 4 else 0)

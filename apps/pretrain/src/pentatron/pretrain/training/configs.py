@@ -40,6 +40,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         activation="swiglu" if args.swiglu else "gelu",
+        bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
         add_bias_linear=not args.disable_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
