@@ -5,7 +5,8 @@
 Parts (each also runnable alone; the command is printed next to its lines):
 1. framework overhead, medians of interleaved steps in this process (goal: ratio <= 1.0,
    1.05, 1.10): our GPT step vs transformers' Llama (same weights via `from_hf`, losses
-   asserted equal first), TP=1 tp-layers MLP vs nn.Linear, DistributedOptimizer vs AdamW;
+   asserted equal first; with glibc's default heap and, in a child process, with the heap
+   kept, see models.py), TP=1 tp-layers MLP vs nn.Linear, DistributedOptimizer vs AdamW;
 2. communication volume per step and rank from the comm ledger over closed forms written
    in `comm_volume.py` (TP, SP, PP with vpp, DDP, ZeRO-1; EP when MoE is there): exactly 1;
 3. pipeline bubble: the simulator (exactly 1) and a measured 2-process run vs (p-1)/(v*m);
@@ -46,6 +47,7 @@ OPT_ARGS = dict(hidden=512, layers=4, reps=15, warmup=3)
 def overhead_rows(quick: bool) -> list[dict[str, Any]]:
     scale = dict(reps=5) if quick else {}
     gpt = models_bench.compare(argparse.Namespace(**{**GPT_ARGS, **scale}))
+    gpt_kept = models_bench.compare_kept_heap(argparse.Namespace(**{**GPT_ARGS, **scale}))
     mlp = tp_bench.compare_tp1(argparse.Namespace(**{**MLP_ARGS, **scale}))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -59,6 +61,11 @@ def overhead_rows(quick: bool) -> list[dict[str, Any]]:
                  f"{gpt['loss_theirs']:.4f})",
          "measured": gpt["ours"], "theory": gpt["theirs"], "unit": "s", "goal": "<= 1.0",
          "cmd": "python benchmarks/models.py --layers 2 --seq 128 --batch 2 --reps 9 --threads 1"},
+        {"name": "the same, glibc heap never trimmed (child process, MALLOC_*_THRESHOLD_ fixed)",
+         "measured": gpt_kept["ours"], "theory": gpt_kept["theirs"], "unit": "s",
+         "goal": "<= 1.0",
+         "cmd": "python benchmarks/models.py --layers 2 --seq 128 --batch 2 --reps 9 "
+                "--threads 1 --heap kept"},
         {"name": "TP=1 MLP fwd+bwd tp-layers / nn.Linear [256, 2, 512]",
          "measured": mlp[0], "theory": mlp[1], "unit": "s", "goal": "<= 1.05",
          "cmd": "python benchmarks/tp_layers.py --skip-tp2"},
