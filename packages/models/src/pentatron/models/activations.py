@@ -6,9 +6,10 @@ Written as `silu(gate) * up` in autograd, SwiGLU keeps three tensors for backwar
 output (gate and up are views of it), silu(gate) and, in fc2, the product. With
 `config.bias_activation_fusion`, `swiglu` keeps only fc1's output and recomputes silu(gate)
 in backward, as Megatron's fused bias-SwiGLU does: `F` fewer elements per token and layer,
-for one more silu per element in backward (on a CPU about 0.1 ms at [128, 2, 2 x 688]). Its gradients are those autograd forms
-(silu_backward of `g * up`, and `g * silu(gate)`), computed by the same kernels, so they are
-bitwise equal; they are written into one `[.., 2F]` buffer instead of being concatenated.
+for one more silu per element in backward (on a CPU about 0.1 ms at [128, 2, 2 x 688]).
+Its gradients are the autograd form's (silu_backward of `g * up`, and `g * silu(gate)`),
+computed by the same kernels, so they are bitwise equal; they are written into one
+`[.., 2F]` buffer instead of being concatenated.
 """
 
 from __future__ import annotations

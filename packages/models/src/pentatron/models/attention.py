@@ -6,8 +6,8 @@ is therefore ng/t whole groups, so tensor parallelism splits heads and groups to
 
     [s, b, h] (SP: [s/t, b, h]) -> linear_qkv (SP: all-gather(tp)) -> [s, b, (nq+2ng) d / t]
       -> q [s, b, nq/t, d], k, v [s, b, ng/t, d] -> q/k norm -> RoPE
-      -> core attention (SDPA; grouped k/v, repeated to nq/t heads only with a mask)
-      -> [s, b, nq d / t]
+      -> core attention (SDPA on grouped k/v; repeated to nq/t heads only with a mask or
+         heads over 256 dims, see sdpa.py) -> [s, b, nq d / t]
       -> linear_proj (all-reduce(tp); SP: reduce-scatter(tp)) -> [s, b, h] (SP: [s/t, b, h])
 """
 

@@ -14,8 +14,8 @@ Per transformer layer (no recompute):
 - attention: the fused QKV output `e sb(nq+2ng)d/t` (RoPE and SDPA keep views of it);
   RoPE's rotated q and k `e sb(nq+ng)d/t` (+ in 16-bit the cos/sin casts `4 e s b_pos r`);
   SDPA takes GQA's grouped k and v as they are, except for heads over 256 dims, where
-  the repeated k and v `2 e sb nq d/t` are kept instead; SDPA's output `e sb nq d/t` (also the
-  input of linear_proj) and its fp32 log-sum-exp `4 b nq/t s`. SDPA is a flash kernel: no
+  the repeated k and v `2 e sb nq d/t` are kept instead; SDPA's output `e sb nq d/t`
+  (also the input of linear_proj) and its fp32 log-sum-exp `4 b nq/t s`. SDPA is a flash kernel: no
   `s x s` matrix is stored, which is why Korthikanti's `5as/h` term is absent;
 - MLP: fc1 output `e sb F1/t`; the activation's output (fc2's input) `e sb F/t`; SwiGLU
   without bias_activation_fusion also silu(gate) `e sb F/t`;
@@ -112,8 +112,8 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     """(QKV/RoPE/SDPA-input bytes, core-attention bytes). RoPE's multiplies keep only
     cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
     unless GQA repeats them (heads over 256 dims; then the repeats are kept instead); q is
-    a copy with RoPE or those repeats. Selective recompute keeps the checkpoint's inputs q, k, v (before any repeat).
-    With cp > 1 see `_cp_attention_terms`."""
+    a copy with RoPE or those repeats. Selective recompute keeps the checkpoint's inputs
+    q, k, v (before any repeat). With cp > 1 see `_cp_attention_terms`."""
     c = plan.config
     if plan.cp > 1:
         return _cp_attention_terms(plan, sb, b, e, nq, ng, d)
