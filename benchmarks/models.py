@@ -10,7 +10,7 @@ MALLOC_MMAP_THRESHOLD_ fixed, as a caching allocator behaves on a GPU). With the
 heap, glibc returns the top of the heap between AdamW's 4 MiB temporaries and takes page
 faults to get it back; how often depends on the holes each model's forward and backward
 happen to leave, not on the work done. The page faults per step are printed for both
-sides so the difference can be seen; with the heap kept both sides take none.
+sides so the difference can be seen; with the heap kept both take few (often none).
 
     python benchmarks/models.py [--layers 4 --hidden 256 --heads 8 --groups 4 --ffn 688
                                  --vocab 4096 --batch 4 --seq 256 --reps 10 --threads 0

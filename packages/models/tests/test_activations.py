@@ -34,18 +34,21 @@ def test_swiglu_bitwise_equals_autograd_form(dtype):
     assert torch.equal(x2.grad, ref_grad)
 
 
-def _saved_bytes(fn, x):
-    """Bytes of the distinct storages autograd keeps for backward of `fn(x)`, x excluded."""
+def _saved_bytes(fn, *inputs):
+    """(output of `fn(*inputs)`, bytes of the distinct storages autograd keeps for its
+    backward, the inputs' own excluded)."""
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
     seen = {}
 
     def pack(t):
-        if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        if t.untyped_storage().data_ptr() not in skip:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x).sum().backward()
-    return sum(seen.values())
+        out = fn(*inputs)
+        out.sum().backward()
+    return out.detach(), sum(seen.values())
 
 
 def test_fused_swiglu_keeps_only_fc1_output():
@@ -59,7 +62,7 @@ def test_fused_swiglu_keeps_only_fc1_output():
         config = small_config(ffn_hidden_size=ffn, bias_activation_fusion=fused)
         return lambda x: F.linear(mlp_activation(config, F.linear(x, w1)), w2)
 
-    fused, plain = _saved_bytes(mlp(True), x), _saved_bytes(mlp(False), x)
+    fused, plain = _saved_bytes(mlp(True), x)[1], _saved_bytes(mlp(False), x)[1]
     # fused: fc1 output (2F) and fc2's input (F); the weights are parameters of the linears
     weights = w1.numel() * 4 + w2.numel() * 4
     assert fused == weights + 4 * tokens * 3 * ffn
@@ -90,21 +93,6 @@ def test_gpt_fused_losses_and_grads_bitwise_equal():
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
-def _attention_saved_bytes(attn, q, k, v, mask):
-    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in inputs:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = attn(q, k, v, mask)
-        out.sum().backward()
-    return out.detach(), sum(seen.values())
-
-
 def test_gqa_attention_reads_grouped_kv_without_repeating():
     """No mask: SDPA takes ng k/v heads as they are (nothing nq-wide saved for them);
     an explicit causal mask takes the repeating path: the same output within fp32."""
@@ -118,8 +106,8 @@ def test_gqa_attention_reads_grouped_kv_without_repeating():
     k = torch.randn(s, b, 2, d, generator=g, requires_grad=True)
     v = torch.randn(s, b, 2, d, generator=g, requires_grad=True)
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)  # True = masked out
-    grouped, grouped_bytes = _attention_saved_bytes(attn, q, k, v, None)
-    repeated, repeated_bytes = _attention_saved_bytes(attn, q, k, v, causal)
+    grouped, grouped_bytes = _saved_bytes(lambda q, k, v: attn(q, k, v, None), q, k, v)
+    repeated, repeated_bytes = _saved_bytes(lambda q, k, v: attn(q, k, v, causal), q, k, v)
     torch.testing.assert_close(grouped, repeated, rtol=1e-5, atol=1e-6)
     # the repeating path keeps k and v at nq heads; the grouped one keeps only SDPA's output
     # and log-sum-exp besides its inputs

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from pentatron.models.sdpa import MAX_GQA_HEAD_DIM
+from pentatron.models.sdpa import takes_grouped_kv
 
 from .plan import MemoryPlan
 from .static import chunk_layers, chunk_parameters, is_first_chunk, is_last_chunk
@@ -120,7 +120,7 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     rope = c.position_embedding_type == "rope"
     # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims
     # (or with an attention mask, which the app never passes): pentatron.models.attention.
-    gqa = nq != ng and d > MAX_GQA_HEAD_DIM
+    gqa = nq != ng and not takes_grouped_kv(nq // ng, False, d)
     selective = c.recompute_granularity == "selective"
     att = e * sb * nq * d if (rope or gqa) else 0
     if selective or not gqa:
@@ -148,7 +148,7 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     rope = c.position_embedding_type == "rope"
     lse = 4 * nq * sb
     if c.cp_comm_type == "a2a":
-        kv = ng if nq != ng and d <= MAX_GQA_HEAD_DIM else nq  # heads of k and v
+        kv = ng if takes_grouped_kv(nq // ng, False, d) else nq  # heads of k and v
         core = e * sb * (2 * nq + 2 * kv) * d + lse + 16 * sb // b * cp  # q, k, v, out
         return 0, core + e * sb * nq * d
     att = e * sb * (nq + 2 * ng) * d + (e * sb * (nq + ng) * d if rope else 0)
