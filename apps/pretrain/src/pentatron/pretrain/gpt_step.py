@@ -12,6 +12,7 @@ import torch
 
 from pentatron.models.context_parallel import get_batch_on_this_cp_rank
 from pentatron.parallel_state import ProcessGrid, comm
+from pentatron.tp_layers import check_token_ids
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -28,8 +29,9 @@ def get_batch(
     """This chunk's micro-batch: tokens, labels, loss_mask, position_ids, each [b, s].
 
     Only chunks that embed (first stage) or compute the loss (last stage) need data; others
-    get None and do not advance their iterator. Only tp rank 0 reads; one int64 broadcast
-    of [4, b, s] gives the other tp ranks the same batch. With context parallelism each
+    get None and do not advance their iterator. Only tp rank 0 reads, straight into one
+    int64 [4, b, s] tensor on the grid's device; one broadcast over tp gives the other tp
+    ranks the same batch. With context parallelism each
     tensor is then cut to this cp rank's load-balanced chunks, [b, s/cp] (position_ids
     keep their global values).
     """
@@ -37,11 +39,17 @@ def get_batch(
     if not (chunk.pre_process or chunk.post_process):
         return None
     tp = grid.size("tp")
+    packed = torch.empty(
+        (len(BATCH_KEYS), micro_batch_size, seq_length), dtype=torch.int64, device=grid.device
+    )
     if grid.rank("tp") == 0:
         batch = next(data_iterator)
-        packed = torch.stack([batch[k].to(torch.int64) for k in BATCH_KEYS])
-    else:
-        packed = torch.empty((len(BATCH_KEYS), micro_batch_size, seq_length), dtype=torch.int64)
+        for key in ("tokens", "labels"):  # on the host, so the GPU never asserts on them
+            check_token_ids(batch[key], chunk.padded_vocab_size, f"the data's {key}")
+        for row, key in zip(packed, BATCH_KEYS):
+            # Host -> device without waiting for the device (the loader pins its batches
+            # on CUDA); the loss mask's 0/1 survive the int64 round trip exactly.
+            row.copy_(batch[key], non_blocking=True)
     if tp > 1:
         src = grid.ranks("tp")[0]
         comm.broadcast(packed, src=src, group=grid.group("tp"))

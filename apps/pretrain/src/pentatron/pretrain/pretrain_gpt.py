@@ -34,13 +34,14 @@ from .training.setup import (
 from .training.step import make_pipeline_config
 
 
-def resolve_data(args: argparse.Namespace) -> None:
-    """Fill --data-path / --tokenizer-* from the embedded corpus when no data was given."""
+def resolve_data(args: argparse.Namespace, grid) -> None:
+    """Fill --data-path / --tokenizer-* from the embedded corpus when no data was given
+    (built by one rank while the others wait on the host group)."""
     if args.mock_data or args.data_path:
         return
     from .data import prepare_embedded_corpus
 
-    corpus = prepare_embedded_corpus(cache_dir=args.data_cache_path, group=dist.group.WORLD)
+    corpus = prepare_embedded_corpus(cache_dir=args.data_cache_path, group=grid.host_group)
     args.data_path = [corpus.data_prefix]
     args.tokenizer_type = args.tokenizer_type or "PentatronBPETokenizer"
     args.tokenizer_model = args.tokenizer_model or corpus.tokenizer_dir
@@ -80,7 +81,7 @@ def model_provider(
     )
 
 
-def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int]) -> list[Any]:
+def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int], grid) -> list[Any]:
     from .data import GPTDatasetConfig, build_train_valid_test_datasets
 
     config = GPTDatasetConfig(
@@ -98,7 +99,7 @@ def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int]) -> lis
         args.split,
         num_samples,
         config,
-        group=dist.group.WORLD,
+        group=grid.host_group,
         mock=args.mock_data,
         mock_max_token=tokenizer.vocab_size - 1,
     )
@@ -125,6 +126,7 @@ def _loader_factory(args, grid, dataset, consumed: int):
         args.dataloader_type,
         args.num_workers,
         args.seed,
+        grid.device.type == "cuda",
     )
 
 
@@ -140,7 +142,7 @@ def pretrain(
     `cuda_graph_capture`: with --enable-cuda-graph, the function that captures a layer's
     work (default `pentatron.models.cuda_graphs.cuda_capture`, torch.cuda.graph)."""
     grid = initialize(args)
-    resolve_data(args)
+    resolve_data(args, grid)
     tokenizer = build_tokenizer_for(args)
     provider = partial(model_provider, args, grid, tokenizer.vocab_size)
     chunks, optimizer, scheduler = setup_model_and_optimizer(provider, args, grid)
@@ -163,7 +165,7 @@ def pretrain(
         )
         if loaded is not None:
             state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
-    train_ds, valid_ds, _ = datasets_provider(args, tokenizer, _num_samples(args))
+    train_ds, valid_ds, _ = datasets_provider(args, tokenizer, _num_samples(args), grid)
     train_factory = _loader_factory(args, grid, train_ds, state.consumed_samples)
     valid_factory = _loader_factory(args, grid, valid_ds, 0)
     forward_step = forward_step_func or make_forward_step(
@@ -174,7 +176,7 @@ def pretrain(
     if args.save and args.async_save:
         from .checkpointing import AsyncSaver
 
-        async_saver = AsyncSaver()
+        async_saver = AsyncSaver(grid)
     trainer = Trainer(
         args=args,
         grid=grid,

@@ -22,6 +22,8 @@ from .optimizer.clip_grads import (
     counts_for_norm,
     found_inf_anywhere,
     global_grad_norm,
+    global_grad_norm_tensor,
+    unscale_and_find_inf,
 )
 from .optimizer.config import OptimizerConfig
 from .optimizer.distributed_optimizer import DistributedOptimizer
@@ -66,6 +68,8 @@ __all__ = [
     "default_no_weight_decay",
     "finalize_model_grads",
     "found_inf_anywhere",
+    "global_grad_norm_tensor",
+    "unscale_and_find_inf",
     "get_optimizer",
     "get_param_groups",
     "global_grad_norm",

@@ -12,6 +12,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import comm
@@ -31,12 +32,19 @@ class ProcessGrid:
         rank: int,
         groups: dict[str, Any],
         device_choice: DeviceChoice,
+        device: torch.device | None = None,
+        host_group: Any = None,
     ) -> None:
         self.config = config
         self.layout = layout
         self.grid_layout = grid
         self.global_rank = rank
         self.device_choice = device_choice
+        self.device = device if device is not None else torch.device(device_choice.device_type)
+        """Where this rank's model, batches, losses and collective tensors live."""
+        self.host_group = host_group
+        """Every rank, on the host backend (gloo): CPU tensors for host-side coordination
+        (flags agreed between ranks, barriers around file writes, object broadcasts)."""
         self._groups = groups
         self.virtual_pipeline_rank: int | None = 0 if layout.vpp else None
 
@@ -141,11 +149,9 @@ def initialize_model_parallel(
     layout = config.resolve(world)
     grid_layout = GridLayout(layout)
     families = grid_layout.families  # validates expert/dense pipeline agreement, no comm
+    device = bind_local_device(choice)
     if not dist.is_initialized():
-        bind_local_device(choice)
         _init_default_process_group(choice, config.timeout)
-    elif choice.device_type == "cuda":
-        bind_local_device(choice)
     rank = dist.get_rank()
     groups: dict[str, Any] = {}
     for name in FAMILIES:
@@ -155,11 +161,22 @@ def initialize_model_parallel(
             if rank in ranks:
                 groups[name] = group
                 comm.register_group_name(group, name)
-    grid = ProcessGrid(config, layout, grid_layout, rank, groups, choice)
+    host_group = _host_group(choice, config.timeout)
+    grid = ProcessGrid(config, layout, grid_layout, rank, groups, choice, device, host_group)
     if set_default:
         global _DEFAULT
         _DEFAULT = grid
     return grid
+
+
+def _host_group(choice: DeviceChoice, timeout: timedelta) -> Any:
+    """The world on the host backend: the default group itself when that is already it
+    (gloo), else one new group over every rank, named "host" in collective errors."""
+    if choice.host_backend == choice.backend:
+        return dist.group.WORLD
+    group = dist.new_group(backend=choice.host_backend, timeout=timeout)
+    comm.register_group_name(group, "host")
+    return group
 
 
 def destroy_model_parallel(grid: ProcessGrid | None = None) -> None:
@@ -176,6 +193,11 @@ def destroy_model_parallel(grid: ProcessGrid | None = None) -> None:
         comm.forget_group(group)
         dist.destroy_process_group(group)
     grid._groups.clear()
+    host = grid.host_group
+    if host is not None and host is not dist.group.WORLD and id(host) not in seen:
+        comm.forget_group(host)
+        dist.destroy_process_group(host)
+    grid.host_group = None
     if grid is _DEFAULT:
         _DEFAULT = None
 

@@ -14,12 +14,14 @@ from .layers import (
     LayerNormColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
+    accumulate_weight_grad,
     column_parallel_linear,
     layer_norm_column_parallel_linear,
     linear_backend,
     linear_with_grad_accumulation_and_async_allreduce,
     row_parallel_linear,
     te_available,
+    wgrad_kernel,
 )
 from .mappings import (
     all_to_all,
@@ -55,6 +57,8 @@ from .utils import (
 __version__ = "0.1.3"
 
 __all__ = [
+    "accumulate_weight_grad",
+    "wgrad_kernel",
     "te_available",
     "row_parallel_linear",
     "linear_backend",

@@ -98,7 +98,8 @@ def vocab_parallel_cross_entropy(
     """Per-token loss `[s, b]` from logits `[s, b, V/t]` sharded over `tp_group` (see module doc).
 
     `target` `[s, b]` holds ids of the full vocabulary `V = t * V/t`. `check_targets`
-    rejects ids outside `[0, V)` (one host sync), which would otherwise give a wrong loss.
+    rejects ids outside `[0, V)` (exactly on the host; an async device assertion on an
+    accelerator, see `check_token_ids`), which would otherwise give a wrong loss.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise TPConfigError(

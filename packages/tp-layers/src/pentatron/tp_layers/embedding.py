@@ -26,10 +26,20 @@ from .utils import TPConfigError, group_rank, group_size, resolve_group, vocab_r
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
-    """Fail on ids outside `[0, vocab_size)`: sharded lookups would silently give zeros."""
+    """Fail on ids outside `[0, vocab_size)`: sharded lookups would silently give zeros.
+
+    On the host the check is exact and raises `TPConfigError`. On an accelerator it is an
+    asynchronous device assertion (`torch._assert_async`): no host sync per micro-batch, a
+    device-side assert if an id is out of range (check ids on the host, before the copy,
+    for a readable error: the training app does).
+    """
     if ids.is_floating_point() or ids.is_complex():
         raise TPConfigError(f"{what}: token ids have dtype {ids.dtype}; fix: pass integer ids")
     if ids.numel() == 0:
+        return
+    if ids.device.type != "cpu":
+        ok = ((ids >= 0) & (ids < vocab_size)).all()
+        torch._assert_async(ok, f"{what}: a token id is outside [0, {vocab_size})")
         return
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab_size:

@@ -6,7 +6,7 @@ so later optimizer steps cannot leak into it. Publishing is the same as a synchr
 (rename `iter_N.tmp` -> `iter_N`, then the latest file) and happens only once every rank's
 write has finished, so a crash at any point leaves the previous latest checkpoint intact.
 
-Why a dedicated gloo group: DCP's planning and metadata exchange run collectives from the
+Why a dedicated gloo group ("async-checkpoint", on the grid's host backend): DCP's planning and metadata exchange run collectives from the
 writer thread, and two threads issuing collectives on one group would interleave them. The
 group is created once (collectively) by `AsyncSaver()`; at most one save is in flight (a new
 save, the end of training, or `finalize(blocking=True)` waits for the previous one).
@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from pentatron.optim.dcp_chunks import ChunkSavePlanner, GlobalChunks
-from pentatron.parallel_state import comm
+from pentatron.parallel_state import ProcessGrid, comm
 
 
 def stage(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -73,8 +73,12 @@ class _Pending:
 class AsyncSaver:
     """Collective: owns the writer-thread group and the save in flight (if any)."""
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, grid: ProcessGrid | None = None) -> None:
+        backend = grid.device_choice.host_backend if grid is not None else "gloo"
+        self.group = dist.new_group(backend=backend)
+        comm.register_group_name(self.group, "async-checkpoint")
+        # Barriers of the training thread: the grid's host group (the world without a grid).
+        self.host_group = grid.host_group if grid is not None else None
         self.in_flight: _Pending | None = None
 
     def start(self, state_dict: dict[str, Any], tmp: str, iteration: int, publish: Any) -> None:
@@ -104,8 +108,8 @@ class AsyncSaver:
             return None
         pending, self.in_flight = self.in_flight, None
         pending.future.result()  # re-raises a failed write on this rank
-        comm.barrier()  # every rank's files are complete before the folder becomes visible
+        comm.barrier(self.host_group)  # every rank's files are complete before it is visible
         if dist.get_rank() == 0:
             pending.publish()
-        comm.barrier()
+        comm.barrier(self.host_group)
         return pending.iteration

@@ -122,7 +122,12 @@ def load_checkpoint(
     if load_rng and not finetune and _rng_matches(common, grid, config):
         rng = rng_load_entries(rank, saved)
         sd.update(rng)
-    dcp.load(sd, storage_reader=FileSystemReader(path), planner=ChunkLoadPlanner())
+    dcp.load(
+        sd,
+        storage_reader=FileSystemReader(path),
+        planner=ChunkLoadPlanner(),
+        process_group=grid.host_group,
+    )
     if opt_load is not None:
         opt_load.apply(common)
     elif optimizer is not None and not fsdp2:  # FSDP2's params are its main params
@@ -131,7 +136,7 @@ def load_checkpoint(
         scheduler.load_state_dict(common["scheduler"])
     if rng:
         restore_rng(rank, rng)
-    comm.barrier()
+    comm.barrier(grid.host_group)
     if finetune:
         return LoadedCheckpoint(0, 0, common["args"])
     return LoadedCheckpoint(common["iteration"], common["consumed_samples"], common["args"])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pentatron.optim import MixedPrecisionOptimizer
-from pentatron.parallel_state import ProcessGrid, comm
+from pentatron.parallel_state import ProcessGrid, comm, current_device
 
 from .model_state import add_rect, iter_param_rects
 
@@ -56,7 +56,7 @@ def global_step(optimizer: Any) -> torch.Tensor:
     inner = optimizer.optimizer
     steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
     params = [p for g in inner.param_groups for p in g["params"]]
-    device = params[0].device if params else "cpu"
+    device = params[0].device if params else current_device()
     step = torch.tensor(max(steps, default=0.0), dtype=torch.float64, device=device)
     comm.all_reduce(step, op=dist.ReduceOp.MAX)  # a device tensor: nccl reduces no CPU ones
     return step.cpu()

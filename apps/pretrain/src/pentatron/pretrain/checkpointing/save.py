@@ -1,5 +1,8 @@
 """`save_checkpoint`: one collective save of model, optimizer, scheduler, RNG and metadata.
 
+Coordination (barriers, DCP's planning) runs on the grid's host group (gloo), the tensors
+stay where they are (DCP copies device tensors to the host as it writes them).
+
 Order (so a crash at any point leaves the previous latest checkpoint loadable):
 1. rank 0 clears a stale `iter_N.tmp` left by an interrupted save; barrier;
 2. every rank writes its chunks into `iter_N.tmp` with DCP; rank 0 adds `common.json`;
@@ -102,7 +105,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     for chunk in model_chunks:
         chunk.finish_param_sync()  # an overlapped all-gather may still be in flight
-    comm.barrier()
+    comm.barrier(grid.host_group)
     sd = model_save_entries(model_chunks, grid)
     if isinstance(optimizer, FSDP2Optimizer):
         sd.update(fsdp2_optimizer_save_entries(optimizer, model_chunks, grid))
@@ -121,11 +124,16 @@ def save_checkpoint(
         publish = partial(_publish, save_dir, tmp, final, iteration, keep_last)
         async_saver.start(sd, tmp, iteration, publish)
         return final
-    dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=ChunkSavePlanner())
+    dcp.save(
+        sd,
+        storage_writer=FileSystemWriter(tmp),
+        planner=ChunkSavePlanner(),
+        process_group=grid.host_group,
+    )
     if first:
         write_common(tmp, common)
-    comm.barrier()  # every rank's files are complete before the folder becomes visible
+    comm.barrier(grid.host_group)  # every rank's files are complete before it is visible
     if first:
         _publish(save_dir, tmp, final, iteration, keep_last)
-    comm.barrier()
+    comm.barrier(grid.host_group)
     return final

@@ -145,8 +145,12 @@ def build_pretraining_data_loader(
     dataloader_type: str = "single",
     num_workers: int = 0,
     seed: int = 0,
+    pin_memory: bool = False,
 ):
-    """A torch DataLoader over `dataset` with Megatron's sampler (`single` or `cyclic`)."""
+    """A torch DataLoader over `dataset` with Megatron's sampler (`single` or `cyclic`).
+
+    `pin_memory`: page-locked batches (pass True when training on CUDA), so their copy to
+    the GPU is asynchronous and overlaps the step."""
     if dataset is None:
         return None
     if dataloader_type == "single":
@@ -169,7 +173,7 @@ def build_pretraining_data_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=collate,
-        pin_memory=False,
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         # Its own generator: otherwise each new iterator draws from the global torch RNG,
         # and a run resumed from a checkpoint (RNG restored, then loaders built) would see

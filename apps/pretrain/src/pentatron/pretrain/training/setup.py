@@ -7,6 +7,7 @@ Megatron's `initialize_megatron`, `get_model`, `setup_model_and_optimizer` and
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -31,12 +32,36 @@ def initialize(args: argparse.Namespace) -> ProcessGrid:
     """The process grid from torchrun's environment, then Megatron's seeding."""
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device)  # auto: CUDA when present
     grid = initialize_model_parallel(configs.parallel_config(args), backend=backend)
+    set_matmul_precision(grid)
     seed = args.seed + 100 * grid.rank("pp")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_seed(seed, grid)
     return grid
+
+
+def set_matmul_precision(grid: ProcessGrid) -> None:
+    """The TF32 policy, set explicitly: fp32 GEMMs stay full fp32 (TF32 off), cuDNN may use
+    TF32. These are torch's defaults, which Megatron-LM keeps (it sets neither and has no
+    flag; NVIDIA's containers export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which makes cuBLAS
+    use TF32 whatever is set here). bf16/fp16 training runs its GEMMs, weight gradients
+    included, in bf16/fp16 on tensor cores, so the policy only touches fp32 models and
+    the few fp32 GEMMs of a mixed-precision one. Said once at start-up on CUDA."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    if grid.device.type == "cuda" and grid.global_rank == 0:
+        override = os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1"
+        print(
+            "pentatron: fp32 matmuls "
+            + (
+                "use TF32 (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)"
+                if override
+                else "in full fp32 (TF32 off, torch's and Megatron-LM's default; "
+                "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 enables it)"
+            ),
+            flush=True,
+        )
 
 
 def stage_flags(grid: ProcessGrid, vp_stage: int | None, vpp: int | None) -> tuple[bool, bool]:

@@ -6,7 +6,9 @@ norms), step the optimizer unless the loss was not finite, and return what the l
 needs. MoE models also update the routers' expert biases after the optimizer step (the
 same on every rank) and report each layer's aux losses, averaged over micro-batches and
 the ranks that saw the tokens. The step's verdict (loss finite?) is agreed by every rank with one all-reduce, so a
-NaN on the last stage never leaves the other stages waiting in a collective.
+NaN on the last stage never leaves the other stages waiting in a collective. Flags, loss and
+norms are computed and reduced on the grid's device; the step reads them on the host once
+(plus the optimizer's grad norm), never per micro-batch.
 """
 
 from __future__ import annotations
@@ -40,19 +42,31 @@ class StepOutput:
     moe_losses: dict[str, list[float]] | None = None  # name -> per-layer value (MoE only)
 
 
-def reduce_losses(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> float | None:
-    """Per-token mean of the micro-batches' (loss sum, tokens) pairs over dp, or None."""
+def _loss_pair(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> torch.Tensor | None:
+    """(loss sum, token count) of the micro-batches, summed over dp: float64 `[2]` on the
+    device (no host read), or None where no loss was computed (not the last stage)."""
     if not reduced:
         return None
     total = torch.stack([r["lm loss"] for r in reduced]).sum(0).double()
     comm.all_reduce(total, group=grid.group("dp"))
-    return float(total[0] / total[1].clamp(min=1))
+    return total
+
+
+def _mean(pair: list[float] | None) -> float | None:
+    return None if pair is None else pair[0] / max(pair[1], 1.0)
+
+
+def reduce_losses(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> float | None:
+    """Per-token mean of the micro-batches' (loss sum, tokens) pairs over dp, or None."""
+    pair = _loss_pair(reduced, grid)
+    return _mean(None if pair is None else pair.tolist())
 
 
 def agree_flags(flags: list[bool], grid: ProcessGrid, group: Any = None) -> list[bool]:
-    """Any-rank OR of each flag over the whole world (one all-reduce of len(flags))."""
+    """Any-rank OR of host-side flags (signals, clocks, writer threads) over the whole
+    world: one all-reduce of CPU values on the grid's host group (gloo)."""
     t = torch.tensor([float(f) for f in flags])
-    comm.all_reduce(t, op=comm.ReduceOp.MAX, group=group)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX, group=group if group is not None else grid.host_group)
     return [bool(v) for v in t]
 
 
@@ -71,12 +85,14 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
         finalize_model_grads(chunks, grid=grid)
         if num_tokens is not None:
             # Tokens live on the last stage; sum over pp (others add 0) and dp. DDP averaged
-            # over dp, so the sum of grads is dp times what it holds.
-            n = num_tokens.double().clone()
+            # over dp, so the sum of grads is dp times what it holds. The factor stays on
+            # the device: no host read in the step.
+            n = num_tokens.to(torch.float64)
             comm.all_reduce(n, group=grid.group("pp"))
             comm.all_reduce(n, group=grid.group("dp"))
+            factor = grid.size("dp") / n.clamp(min=1.0)
             for c in chunks:
-                c.scale_gradients(grid.size("dp") / max(float(n), 1.0))
+                c.scale_gradients(factor)
 
     hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
     if getattr(args, "num_experts", None):
@@ -114,17 +130,20 @@ def run_schedule(
     )
 
 
-def _all_finite(reduced, chunks, grid: ProcessGrid, check_grads: bool) -> bool:
-    """Loss (last stage) and, with `check_grads`, every grad buffer finite on every rank?
-
-    One all-reduce for both, so every rank takes the same decision before the optimizer
-    touches a parameter."""
-    loss_ok = all(bool(torch.isfinite(r["lm loss"]).all()) for r in reduced)
-    grads_ok = not check_grads or all(
-        bool(torch.isfinite(g).all()) for c in chunks for g in c.local_grads()
-    )
-    bad_loss, bad_grads = agree_flags([not loss_ok, not grads_ok], grid)
-    return not (bad_loss or bad_grads)
+def _nonfinite_flags(reduced, chunks, grid: ProcessGrid, check_grads: bool) -> torch.Tensor:
+    """[bad loss, bad grads] on the device, 1.0 where some rank saw a NaN/Inf (last stage's
+    loss; with `check_grads`, any grad buffer), agreed by one all-reduce (MAX) over the world,
+    so every rank takes the same decision before the optimizer touches a parameter."""
+    flags = torch.zeros(2, dtype=torch.float64, device=grid.device)
+    if reduced:
+        losses = torch.stack([r["lm loss"] for r in reduced])
+        flags[0] = (~torch.isfinite(losses)).any()
+    if check_grads:
+        grads = [g for c in chunks for g in c.local_grads()]
+        if grads:
+            flags[1] = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+    comm.all_reduce(flags, op=comm.ReduceOp.MAX)
+    return flags
 
 
 def train_step(
@@ -133,8 +152,12 @@ def train_step(
     for c in chunks:
         c.zero_grad_buffer()
     reduced = run_schedule(args, chunks, iterators, forward_step, pcfg, grid, num_microbatches)
-    finite = _all_finite(reduced, chunks, grid, args.check_for_nan_in_loss_and_grad)
-    loss = reduce_losses(reduced, grid)
+    flags = _nonfinite_flags(reduced, chunks, grid, args.check_for_nan_in_loss_and_grad)
+    pair = _loss_pair(reduced, grid)
+    # The step's one host read before the optimizer (which reads the grad norm).
+    host = (flags if pair is None else torch.cat([flags, pair])).tolist()
+    finite = not (host[0] or host[1])
+    loss = _mean(host[2:] or None)
     moe = _moe_losses(args, chunks, grid)
     if not finite:
         _expert_bias_step(args, chunks, grid, applied=False)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pentatron.parallel_state import comm
+from pentatron.parallel_state import comm, current_device
 
 AUX_LOSS_NAMES = ("load_balancing_loss", "z_loss")
 
@@ -91,7 +91,8 @@ def collect_moe_aux_losses(
     """
     routers = _routers(model_chunks)
     layers = num_layers if num_layers is not None else _num_layers(model_chunks, routers)
-    table = torch.zeros(2, len(AUX_LOSS_NAMES), layers, dtype=torch.float64)
+    device = _comm_device(routers)
+    table = torch.zeros(2, len(AUX_LOSS_NAMES), layers, dtype=torch.float64, device=device)
     for router in routers:
         index = router.layer_number - 1
         if not 0 <= index < layers:
@@ -99,26 +100,22 @@ def collect_moe_aux_losses(
         for n, name in enumerate(AUX_LOSS_NAMES):
             mean = router.aux_loss_record.mean(name)
             if mean is not None:
-                table[0, n, index] += mean.cpu()
+                table[0, n, index] += mean.to(device)
                 table[1, n, index] = 1.0
     pp_group, tdc_group, dp_size = _groups(grid_or_groups)
-    device = _comm_device(routers)
-    table = table.to(device)
     for group in (pp_group, tdc_group):
         if group is not None and torch.distributed.get_world_size(group) > 1:
             comm.all_reduce(table, group=group)
-    table = table.cpu()
+    table = table.cpu()  # the step's one read of the aux losses
     values, present = table[0] / dp_size, table[1] > 0
     return {name: values[n] for n, name in enumerate(AUX_LOSS_NAMES) if present[n].any()}
 
 
 def _comm_device(routers: list[torch.nn.Module]) -> torch.device:
-    """NCCL needs CUDA tensors: communicate on the routers' device (CPU under gloo)."""
+    """The routers' device, else (a stage without routers) the grid's: collectives run there."""
     for router in routers:
         return router.weight.device
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return current_device()
 
 
 def reset_moe_aux_losses(model_chunks: Any) -> None:

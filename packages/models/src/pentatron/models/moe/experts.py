@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pentatron.parallel_state import current_device
 from pentatron.tp_layers import shard_of
 
 from ..activations import mlp_activation
@@ -34,11 +35,14 @@ class ExpertLinear(torch.nn.Module):
 
     def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, dtype):
         super().__init__()
+        device = current_device()
         self.weight = torch.nn.Parameter(
-            torch.empty(experts, out_features, in_features, dtype=dtype)
+            torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
         )
         self.bias = (
-            torch.nn.Parameter(torch.zeros(experts, out_features, dtype=dtype)) if bias else None
+            torch.nn.Parameter(torch.zeros(experts, out_features, dtype=dtype, device=device))
+            if bias
+            else None
         )
         for p in self.parameters():
             p.allreduce = False

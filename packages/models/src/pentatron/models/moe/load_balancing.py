@@ -41,11 +41,13 @@ def set_aux_loss_scale(scale: torch.Tensor | float) -> None:
             f"set_aux_loss_scale got a tensor of shape {tuple(value.shape)}; the rule: one "
             "element (loss scale / num_microbatches); fix: pass a scalar"
         )
-    _AUX_LOSS_SCALE["scale"] = value.reshape(()).cpu()
+    # Kept where it was made (the schedule makes it on the compute device): the routers'
+    # backward reads it there without a host round trip.
+    _AUX_LOSS_SCALE["scale"] = value.reshape(())
 
 
 def get_aux_loss_scale() -> torch.Tensor:
-    """The current aux-loss grad scale (a 0-dim float64 CPU tensor; default 1)."""
+    """The current aux-loss grad scale (a 0-dim float64 tensor; default 1 on the CPU)."""
     return _AUX_LOSS_SCALE["scale"]
 
 

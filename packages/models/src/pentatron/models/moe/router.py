@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pentatron.parallel_state import current_device
+
 from ..config import TransformerConfig
 from ..config_checks import ModelConfigError
 from .aux_tracker import AuxLossRecord
@@ -131,15 +133,20 @@ class TopKRouter(torch.nn.Module):
         _check_router_config(config)
         self.config, self.layer_number, self.tp_cp_group = config, layer_number, tp_cp_group
         experts, hidden = config.num_moe_experts, config.hidden_size
-        self.weight = torch.nn.Parameter(torch.empty(experts, hidden, dtype=config.params_dtype))
+        device = current_device()
+        self.weight = torch.nn.Parameter(
+            torch.empty(experts, hidden, dtype=config.params_dtype, device=device)
+        )
         with torch.no_grad():
             self.weight.normal_(0.0, config.init_method_std)
         self.weight.sequence_parallel = config.sequence_parallel
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer(
+                "expert_bias", torch.zeros(experts, dtype=torch.float32, device=device)
+            )
             self.register_buffer(
                 "local_tokens_per_expert",
-                torch.zeros(experts, dtype=torch.float32),
+                torch.zeros(experts, dtype=torch.float32, device=device),
                 persistent=False,
             )
         else:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pentatron.parallel_state import current_device
 from pentatron.tp_layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 
 from ..mlp import MLP, MLPSubmodules
@@ -39,7 +40,9 @@ class SharedExpertMLP(MLP):
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             self.gate_weight = torch.nn.Parameter(
-                torch.empty(1, config.hidden_size, dtype=config.params_dtype)
+                torch.empty(
+                    1, config.hidden_size, dtype=config.params_dtype, device=current_device()
+                )
             )
             if init_method is not None:
                 init_method(self.gate_weight)

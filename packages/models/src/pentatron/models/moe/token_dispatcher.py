@@ -213,18 +213,24 @@ class AlltoAllTokenDispatcher:
             else routing_map.sum(0).to(torch.long)
         )
         received = self._exchange_counts(counts)  # [etp, ep, E_local]
-        send = counts.view(ep, local).sum(1).tolist()
-        recv = received[self.groups.etp_rank].sum(1).tolist()
+        # The layer's one host read: every split size below derives from these counts.
+        host = torch.cat([counts, received.flatten()]).tolist()
+        sent_counts, chunk_sizes = host[:e], host[e:]  # chunks ordered (etp, ep, expert)
+        send = [sum(sent_counts[r * local : (r + 1) * local]) for r in range(ep)]
+        per_etp = [chunk_sizes[i * ep * local : (i + 1) * ep * local] for i in range(etp)]
+        mine = per_etp[self.groups.etp_rank]
+        recv = [sum(mine[r * local : (r + 1) * local]) for r in range(ep)]
         if ep > 1:
             x = all_to_all(x, self.groups.ep, recv, send)
-        gather_sizes = received.sum((1, 2)).tolist()
+        gather_sizes = [sum(part) for part in per_etp]
         if etp > 1:
             x = _GatherUneven.apply(x, self.groups.etp, gather_sizes)
-        chunk_sizes = received.flatten().tolist()  # chunks ordered (etp, ep, expert)
         sources = etp * ep
         order = [r * local + j for j in range(local) for r in range(sources)]
         x = sort_chunks(x, chunk_sizes, order)
-        tokens_per_expert = received.sum((0, 1)).tolist()
+        tokens_per_expert = [
+            sum(chunk_sizes[r * local + j] for r in range(sources)) for j in range(local)
+        ]
         ctx = (indices, probs, routing_map, pad, hidden.size(0), send, recv, gather_sizes)
         return x, tokens_per_expert, (*ctx, [chunk_sizes[i] for i in order], order)
 

@@ -168,7 +168,7 @@ class DistributedDataParallel(torch.nn.Module):
         """The grad storage this rank holds (one flat buffer per dtype and kind)."""
         return [b.grad_data for b in self.all_buffers]
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for buffer in self.all_buffers:
             buffer.scale_gradients(factor)
 

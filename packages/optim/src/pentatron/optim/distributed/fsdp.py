@@ -121,7 +121,7 @@ class FSDP2DataParallel(torch.nn.Module):
         """This rank's shard of every grad (after backward: reduce-scattered over dp)."""
         return [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for p in self.module.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor)

@@ -230,7 +230,7 @@ class ParamAndGradBuffer:
         self.grad_data.zero_()
         self.reset_grad_state()
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
         self.grad_data.mul_(factor)
 
     # --- params (distributed optimizer) ------------------------------------------------

@@ -6,7 +6,8 @@ counts on every tp rank, since each holds a different part; one replicated over 
 weights, biases of row-parallel layers) counts on tp rank 0 only; a tied embedding's second
 copy (last pipeline stage, marked `shared=True`) does not count.
 
-A set of grads is summed locally (squares, in fp32), then all-reduced over each group of its
+A set of grads is summed locally (squares of per-grad norms from `torch._foreach_norm`, in
+fp32, on the grads' device), then all-reduced over each group of its
 `groups` in turn: over tp-pp (and, when the grads are dp shards, over dp-cp) for dense
 params, over etp-ep-pp (and edp) for expert params. The groups of one set must be
 orthogonal, so that together they cover each distinct grad exactly once.
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pentatron.parallel_state import comm
+from pentatron.parallel_state import comm, current_device
 
 
 def counts_for_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -45,53 +46,92 @@ def _reduce(value: torch.Tensor, groups: Sequence[Any], op: Any) -> torch.Tensor
     return value
 
 
-def global_grad_norm(sets: Iterable[GradSet], norm_type: float = 2.0) -> float:
-    """L2 (or inf) norm of every grad of every set, over all the ranks of their groups."""
-    total = torch.zeros((), dtype=torch.float32)
+def _device_of(sets: list[GradSet]) -> torch.device:
+    """Where the statistics are reduced: the grads' device (the grid's when a rank holds no
+    grad of a set: it still takes part in the all-reduce, on the compute device)."""
     for s in sets:
-        device = s.grads[0].device if s.grads else torch.device("cpu")
-        if norm_type == math.inf:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-            for g in s.grads:
-                local = torch.maximum(local, g.detach().abs().max().float())
-            total = torch.maximum(total, _reduce(local, s.groups, comm.ReduceOp.MAX).cpu())
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-            for g in s.grads:
-                local += (
-                    torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
-                    ** norm_type
-                )
-            total += _reduce(local, s.groups, comm.ReduceOp.SUM).cpu()
-    if norm_type == math.inf:
-        return float(total)
-    return float(total) ** (1.0 / norm_type)
+        for g in s.grads:
+            return g.device
+    return current_device()
+
+
+def _local_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Per-grad norms in fp32, `[len(grads)]`, with one multi-tensor kernel per dtype."""
+    norms = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g.detach())
+    for group in by_dtype.values():
+        norms += torch._foreach_norm(group, norm_type, dtype=torch.float32)
+    return torch.stack(norms)
+
+
+def global_grad_norm_tensor(sets: Iterable[GradSet], norm_type: float = 2.0) -> torch.Tensor:
+    """The global norm as a 0-dim fp32 tensor on the grads' device (no host read)."""
+    sets = list(sets)
+    device = _device_of(sets)
+    inf = norm_type == math.inf
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for s in sets:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        if s.grads:
+            norms = _local_norms(s.grads, norm_type)
+            local = norms.max() if inf else norms.pow(norm_type).sum()
+        local = _reduce(local, s.groups, comm.ReduceOp.MAX if inf else comm.ReduceOp.SUM)
+        total = torch.maximum(total, local) if inf else total + local
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+def global_grad_norm(sets: Iterable[GradSet], norm_type: float = 2.0) -> float:
+    """L2 (or inf) norm of every grad of every set, over all the ranks of their groups
+    (one host read)."""
+    return float(global_grad_norm_tensor(sets, norm_type))
 
 
 def clip_grads_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale grads by max_norm / (total_norm + 1e-6) when that is below 1 (Megatron's rule)."""
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0:
-        for g in grads:
-            g.mul_(coeff)
+        grads = list(grads)
+        if grads:
+            torch._foreach_mul_(grads, coeff)
 
 
 def count_zeros(sets: Iterable[GradSet]) -> int:
     """Number of zero grad entries, counted like the norm (each parameter once)."""
-    total = 0
+    sets = list(sets)
+    device = _device_of(sets)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for s in sets:
-        local = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=device)
         for g in s.grads:
-            local += g.numel() - torch.count_nonzero(g).item()
-        total += int(_reduce(local, s.groups, comm.ReduceOp.SUM).item())
-    return total
+            local += g.numel() - torch.count_nonzero(g)
+        total += _reduce(local, s.groups, comm.ReduceOp.SUM)
+    return int(total)
 
 
 def found_inf_anywhere(grads: Iterable[torch.Tensor], groups: Sequence[Any]) -> bool:
     """True if any grad on any rank of `groups` holds inf or nan (all-reduce MAX)."""
-    flag = torch.zeros((), dtype=torch.float32)
+    return unscale_and_find_inf(grads, 1.0, groups, unscale=False)
+
+
+def unscale_and_find_inf(
+    grads: Iterable[torch.Tensor], inv_scale: float, groups: Sequence[Any], unscale: bool = True
+) -> bool:
+    """Multiply every grad by `inv_scale` in place (fp16 loss scaling) and say whether any
+    grad on any rank of `groups` holds inf or nan: AMP's fused multi-tensor kernel, one flag
+    on the grads' device, one all-reduce (MAX), one host read."""
+    grads = list(grads)
+    device = grads[0].device if grads else current_device()
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
-        if not torch.isfinite(g).all():
-            flag.fill_(1.0)
-            break
-    return bool(_reduce(flag, groups, comm.ReduceOp.MAX).item())
+        by_dtype.setdefault(g.dtype, []).append(g)
+    if unscale:
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+    elif grads:
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        found = (~finite).float().reshape(1)
+    return bool(_reduce(found, groups, comm.ReduceOp.MAX).item())

@@ -24,8 +24,8 @@ from .clip_grads import (
     clip_grads_by_norm,
     count_zeros,
     counts_for_norm,
-    found_inf_anywhere,
     global_grad_norm,
+    unscale_and_find_inf,
 )
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -221,9 +221,9 @@ class MixedPrecisionOptimizer:
         scale = None
         if self.grad_scaler is not None:
             scale = self.grad_scaler.scale
-            for g in grads:
-                g.mul_(self.grad_scaler.inv_scale)
-            found_inf = found_inf_anywhere(grads, self.stats.found_inf)
+            found_inf = unscale_and_find_inf(
+                grads, self.grad_scaler.inv_scale, self.stats.found_inf
+            )
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.num_skipped_steps += 1
@@ -251,9 +251,12 @@ class MixedPrecisionOptimizer:
             mp.main.grad = None
 
     def _write_back(self) -> None:
-        for mp in self.main_params:
-            if mp.owns_storage:
-                mp.target.copy_(mp.main.view_as(mp.target))
+        pairs = [
+            (mp.target, mp.main.view_as(mp.target)) for mp in self.main_params if mp.owns_storage
+        ]
+        if pairs:  # one multi-tensor copy (rounding fp32 -> the model dtype), not one per param
+            targets, mains = zip(*pairs)
+            torch._foreach_copy_(list(targets), list(mains))
 
     def zero_grad(self) -> None:
         for chunk in self.model_chunks:

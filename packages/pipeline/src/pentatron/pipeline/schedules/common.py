@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.autograd.variable import Variable
 
+from pentatron.parallel_state import current_device
+
 from ..config import PipelineConfig, PipelineConfigError
 from ..timeline import Timeline
 
@@ -64,7 +66,9 @@ class StepState:
     num_microbatches: int
     timeline: Timeline | None = None
     forward_data_store: list[Any] = field(default_factory=list)
-    total_num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros([], dtype=torch.int))
+    # The step's token count (per-token loss): summed on the device the losses live on, so
+    # no micro-batch waits for the device; zeros on the compute device where none was seen.
+    total_num_tokens: torch.Tensor | None = None
 
     def span(self, kind: str, microbatch: int, chunk: int) -> Any:
         if self.timeline is None:
@@ -100,7 +104,7 @@ def _set_aux_loss_scale(state: StepState) -> None:
     config = state.config
     if config.aux_loss_scale_func is None:
         return
-    ones = torch.ones(1)
+    ones = torch.ones(1, device=current_device())
     scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
     if not config.calculate_per_token_loss:
         scale = scale / state.num_microbatches
@@ -112,10 +116,11 @@ def _apply_loss(state: StepState, output: Any, loss_func: Callable[..., Any]) ->
     m = state.num_microbatches
     if len(outputs) == 3:
         loss, num_tokens, reduced = outputs
-        num_tokens = torch.as_tensor(num_tokens).to(torch.int)
+        num_tokens = torch.as_tensor(num_tokens, device=loss.device).to(torch.int)
         if not state.config.calculate_per_token_loss:
             loss = loss / torch.clamp(num_tokens, min=1) / m
-        state.total_num_tokens = state.total_num_tokens + num_tokens.cpu()
+        total = state.total_num_tokens
+        state.total_num_tokens = num_tokens if total is None else total + num_tokens
     elif len(outputs) == 2:
         loss, reduced = outputs
         loss = loss / m
@@ -249,5 +254,9 @@ def per_chunk(func: Any, chunks: int) -> list[Any] | None:
 def finalize(state: StepState, chunks: list[torch.nn.Module], forward_only: bool) -> None:
     func = state.config.finalize_model_grads_func
     if func is not None and not forward_only:
-        tokens = state.total_num_tokens if state.config.calculate_per_token_loss else None
+        tokens = None
+        if state.config.calculate_per_token_loss:
+            tokens = state.total_num_tokens
+            if tokens is None:  # not the last stage: this rank adds 0 to the sum over pp
+                tokens = torch.zeros((), dtype=torch.int, device=current_device())
         func(chunks, tokens)

@@ -14,16 +14,20 @@ from .te import (
     row_parallel_linear,
     te_available,
 )
+from .wgrad import accumulate_weight_grad, placeholder_grad, wgrad_kernel
 
 __all__ = [
     "ColumnParallelLinear",
     "LayerNormColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
+    "accumulate_weight_grad",
     "column_parallel_linear",
     "layer_norm_column_parallel_linear",
     "linear_backend",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "placeholder_grad",
     "row_parallel_linear",
     "te_available",
+    "wgrad_kernel",
 ]

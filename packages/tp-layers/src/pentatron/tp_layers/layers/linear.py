@@ -9,7 +9,8 @@ the same code runs and is exact, only the overlap is smaller.
 Weight-gradient accumulation fusion: when enabled and the weight has a `main_grad` tensor
 (set by a DDP wrapper, usually fp32), the weight gradient is accumulated straight into
 `main_grad` in its dtype and `weight.grad` stays unset, which saves one gradient-sized
-buffer and one addition per micro-batch.
+buffer and one addition per micro-batch. The GEMM runs in the activations' dtype (bf16 on
+tensor cores) and sums in `main_grad`'s fp32 (`wgrad.accumulate_weight_grad`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from pentatron.parallel_state import comm
 
 from ..utils import group_size
+from .wgrad import accumulate_weight_grad, placeholder_grad
 
 
 def _gather_input(x: torch.Tensor, group: Any, async_op: bool) -> tuple[torch.Tensor, Any]:
@@ -47,15 +49,15 @@ def _start_dgrad_collective(
 def _weight_grad(
     weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor, fuse: bool
 ) -> torch.Tensor | None:
-    """`dW = dY^T X`, either returned or accumulated into `weight.main_grad`."""
+    """`dW = dY^T X`, either returned or accumulated into `weight.main_grad` (in the
+    operands' dtype on tensor cores, summed in main_grad's fp32: see `wgrad`)."""
     if not fuse:
         return grad_2d.t().matmul(input_2d)
-    main = weight.main_grad
-    main.addmm_(grad_2d.t().to(main.dtype), input_2d.to(main.dtype))
+    accumulate_weight_grad(weight.main_grad, grad_2d, input_2d)
     if hasattr(weight, "grad_added_to_main_grad"):
         # DDP hooks fire on a non-None grad; tell them it is already in main_grad.
         weight.grad_added_to_main_grad = True
-        return torch.zeros_like(weight)
+        return placeholder_grad(weight)
     return None
 
 

@@ -1,0 +1,244 @@
+"""Child process of test_device_dry_run.py: play ranks of a layout on the fake GPU.
+
+    python _dry_run.py LAYOUT RANKS PLANT SAVE_DIR   -> one JSON line on stdout
+
+For each rank in RANKS (comma-separated), in turn: a fake world of the layout's size
+(`meta:fake` compute groups, `cpu:fake` host group), then the app's real `pretrain()` under
+`FakeDevice`: initialize, get_model (DDP chunks, distributed optimizer), the pipeline
+schedule's forward and backward of every micro-batch, the step's reductions, the optimizer
+step, a checkpoint save. PLANT re-introduces one defect the GPU run found (see PLANTS); the
+test expects each to fail here. The JSON line holds, per rank, the host reads per training
+step and the GEMMs' operand dtypes, or the error that stopped the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+
+# A tiny GPT in bf16: every GEMM of the model must take bf16 operands on the fake GPU.
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--swiglu",
+    "--ffn-hidden-size",
+    "128",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "255",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--no-progress",
+    "--bf16",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+]
+LAYOUTS = {
+    # world 8: tp2 x pp2 (2 virtual stages) x dp2, SP, ZeRO-1 with overlapped grad reduce
+    # and param gather (the bucket hooks and the async all-gathers run too)
+    "tp2-pp2-dp2": (
+        8,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--global-batch-size",
+            "8",
+        ],
+    ),
+    # world 4: MoE, 4 experts over ep2 (all-to-all dispatcher, grouped GEMM), tp2 with SP,
+    # aux loss and expert bias (the per-step expert-bias all-reduce)
+    "moe-tp2-ep2": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "2",
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--moe-grouped-gemm",
+            "--moe-aux-loss-coeff",
+            "0.01",
+            "--moe-token-dispatcher-type",
+            "alltoall",
+            "--use-distributed-optimizer",
+            "--global-batch-size",
+            "8",
+        ],
+    ),
+}
+
+
+def _old_get_batch(data_iterator, model, grid, micro_batch_size, seq_length):
+    """The batch as the app built it before: on the host, never moved."""
+    from pentatron.models.context_parallel import get_batch_on_this_cp_rank
+    from pentatron.parallel_state import comm
+    from pentatron.pretrain import gpt_step
+
+    chunk = gpt_step._unwrap(model)
+    if not (chunk.pre_process or chunk.post_process):
+        return None
+    if grid.rank("tp") == 0:
+        batch = next(data_iterator)
+        packed = torch.stack([batch[k].to(torch.int64) for k in gpt_step.BATCH_KEYS])
+    else:
+        packed = torch.empty((4, micro_batch_size, seq_length), dtype=torch.int64)
+    if grid.size("tp") > 1:
+        comm.broadcast(packed, src=grid.ranks("tp")[0], group=grid.group("tp"))
+    out = dict(zip(gpt_step.BATCH_KEYS, packed.unbind(0)))
+    out["loss_mask"] = out["loss_mask"].float()
+    return get_batch_on_this_cp_rank(out, grid.size("cp"), grid.rank("cp"))
+
+
+def _old_nonfinite_flags(reduced, chunks, grid, check_grads):
+    """The step's verdict as it was: host booleans all-reduced over the world's compute
+    group (NCCL on a GPU)."""
+    from pentatron.parallel_state import comm
+
+    loss_ok = all(bool(torch.isfinite(r["lm loss"]).all()) for r in reduced)
+    t = torch.tensor([float(not loss_ok), 0.0], dtype=torch.float64)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX)
+    return t
+
+
+def _plant(name: str) -> None:
+    from pentatron.pretrain import gpt_step
+    from pentatron.pretrain.training import step
+    from pentatron.tp_layers.layers import wgrad
+
+    if name == "batch-on-host":
+        gpt_step.get_batch = _old_get_batch
+    elif name == "host-tensor-collective":
+        step._nonfinite_flags = _old_nonfinite_flags
+    elif name == "fp32-wgrad":  # the weight-gradient GEMM with operands widened to fp32
+        wgrad.wgrad_kernel = lambda device, dtype: "addmm_fp32"
+    elif name == "sync-per-microbatch":  # read each micro-batch's loss on the host
+        from pentatron.pipeline.schedules import common
+
+        original = common._apply_loss
+
+        def apply_loss(state, output, loss_func):
+            loss = original(state, output, loss_func)
+            float(loss.detach())
+            return loss
+
+        common._apply_loss = apply_loss
+    elif name == "moe-param-on-host":  # the router weight made where torch defaults to
+        from pentatron.models.moe import router
+
+        router.current_device = lambda: torch.device("cpu")
+    elif name != "none":
+        raise ValueError(f"unknown plant {name!r}")
+
+
+class _StepReads:
+    """Counts the fake device's host reads per training step (train_step wrapped)."""
+
+    def __init__(self, device) -> None:
+        self.device, self.per_step = device, []
+
+    def wrap(self, train_step):
+        def counted(*args, **kwargs):
+            before = len(self.device.reads)
+            out = train_step(*args, **kwargs)
+            self.per_step.append(len(self.device.reads) - before)
+            return out
+
+        return counted
+
+
+def play(layout: str, rank: int, save_dir: str, extra: list[str]) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from pentatron.parallel_state.testing.fake_device import FakeDevice, fake_world
+    from pentatron.pretrain.arguments import parse_args, validate_args
+    from pentatron.pretrain.checkpointing import save as save_module
+    from pentatron.pretrain.pretrain_gpt import pretrain
+    from pentatron.pretrain.training import loop
+
+    world, flags = LAYOUTS[layout]
+    argv = [*MODEL, *flags, "--train-iters", "2", "--save", save_dir, "--save-interval", "2"]
+    argv += extra
+    # DCP's cross-rank planning exchanges pickled objects, which a fake group cannot carry:
+    # each fake rank plans its own files (no_dist). Writer and state dict are the real ones.
+    save_module.dcp = _NoDistDCP(dcp)
+    with fake_world(rank, world), FakeDevice(compute_dtype=torch.bfloat16) as device:
+        args = validate_args(parse_args(argv), world)
+        reads, original = _StepReads(device), loop.train_step
+        loop.train_step = reads.wrap(original)
+        try:
+            state = pretrain(args)
+        finally:
+            loop.train_step = original
+    return {
+        "iterations": state.iteration,
+        "reads_per_step": reads.per_step,
+        "gemm_dtypes": sorted({str(d) for g in device.gemms for d in g.dtypes}),
+        "gemms": len(device.gemms),
+    }
+
+
+class _NoDistDCP:
+    def __init__(self, dcp) -> None:
+        self._dcp = dcp
+
+    def __getattr__(self, name):
+        return getattr(self._dcp, name)
+
+    def save(self, *args, **kwargs):
+        kwargs.pop("process_group", None)
+        return self._dcp.save(*args, no_dist=True, **kwargs)
+
+
+def main() -> int:
+    layout, ranks, plant, save_dir = sys.argv[1:5]
+    extra = sys.argv[5:]
+    _plant(plant)
+    out = {}
+    for rank in (int(r) for r in ranks.split(",")):
+        try:
+            out[rank] = play(layout, rank, f"{save_dir}/rank{rank}", extra)
+        except BaseException as exc:  # the test reads the error
+            out[rank] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

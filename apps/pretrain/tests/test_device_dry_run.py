@@ -1,0 +1,103 @@
+"""The app's real training step on a fake GPU, on the CPU: device bugs fail here, not on a
+cluster.
+
+Each case runs `_dry_run.py` in a fresh process: the app's `pretrain()` (initialize,
+get_model with DDP chunks and the distributed optimizer, the pipeline schedule, the step's
+reductions, the optimizer step, a checkpoint save) as chosen ranks of a fake world of 8
+(tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather) or 4
+(MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM), in bf16 on `meta` tensors with
+torch's fake process group (`pentatron.parallel_state.testing.fake_device`). A rank
+fails on what fails or crawls on a GPU: a host tensor handed to a compute collective (the
+fake group rejects it with NCCL's error), a host tensor in a device op, an fp32 GEMM of
+model size in a bf16 model, SDPA's math fallback. Host reads of device memory are counted
+per step. Ranks 0 and 7 of the dense world cover both tp ranks, both pipeline stages and
+both dp ranks.
+
+The planted cases re-introduce, one at a time, the defects the first GPU run found (the
+batch left on the host, the step's flags all-reduced from the host, the weight gradient
+as an fp32 GEMM, an MoE parameter made on the host) and one more (a host read per
+micro-batch); each must fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = os.path.join(os.path.dirname(__file__), "_dry_run.py")
+
+
+def dry_run(tmp_path, layout: str, ranks: str, plant: str = "none", *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, CHILD, layout, ranks, plant, str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {int(k): v for k, v in json.loads(lines[-1]).items()}
+
+
+def _ok(result: dict) -> dict:
+    for rank, r in result.items():
+        assert "error" not in r, f"rank {rank}: {r['error']}\n{r['trace']}"
+    return result
+
+
+def test_dense_step_runs_on_the_fake_gpu(tmp_path):
+    result = _ok(dry_run(tmp_path, "tp2-pp2-dp2", "0,7"))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        # Every GEMM of the model took bf16 operands (the rule raises otherwise).
+        assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
+        # Host reads per step: the step's verdict + loss (one read) and the grad norm.
+        assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
+    # The checkpoint of the last iteration was written (rank by rank).
+    assert os.path.isfile(tmp_path / "rank0" / "latest_checkpointed_iteration.txt")
+
+
+def test_host_reads_do_not_grow_with_micro_batches(tmp_path):
+    """4 micro-batches per step (global batch 16) read the host as often as 2 do."""
+    four = _ok(dry_run(tmp_path, "tp2-pp2-dp2", "7", "none", "--global-batch-size", "16"))
+    assert four[7]["reads_per_step"] == [2, 2]
+
+
+def test_moe_step_runs_on_the_fake_gpu(tmp_path):
+    result = _ok(dry_run(tmp_path, "moe-tp2-ep2", "0,3"))
+    for r in result.values():
+        assert r["iterations"] == 2
+
+
+PLANTS = {
+    # the batch built on the host: tp rank 0 broadcasts it over tp from the host
+    "batch-on-host": ("0", "broadcast over group 'tp'", "device type cpu"),
+    # the step's NaN flags made on the host and all-reduced over the world's compute group
+    "host-tensor-collective": ("0", "all_reduce over group 'world'", "device type cpu"),
+    # dW = dY^T X with operands widened to fp32
+    "fp32-wgrad": ("7", "fp32 GEMM", "addmm"),
+    # an MoE router weight made on the host: DDP cannot put it in its device buffer
+    "moe-param-on-host": ("0", "set_data", ""),
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_each_planted_defect_fails(tmp_path, plant):
+    rank, *needles = PLANTS[plant]
+    layout = "moe-tp2-ep2" if plant.startswith("moe") else "tp2-pp2-dp2"
+    result = dry_run(tmp_path, layout, rank, plant)
+    error = result[int(rank)].get("error", "")
+    assert error, f"{plant}: the dry run passed with the defect planted"
+    for needle in needles:
+        assert needle in error, (plant, error)
+
+
+def test_a_host_read_per_micro_batch_is_seen(tmp_path):
+    """Planted: the loss read on the host in every micro-batch; the step's count grows."""
+    result = _ok(dry_run(tmp_path, "tp2-pp2-dp2", "7", "sync-per-microbatch"))
+    assert result[7]["reads_per_step"] == [4, 4]  # 2 micro-batches -> 2 more reads
