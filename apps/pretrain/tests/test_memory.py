@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pentatron.pretrain.memory import korthikanti_per_layer, memory_report
+from pentatron.pretrain.memory.activations import chunk_activations
 from pentatron.pretrain.memory.cli import build_plan, main
 
 GPT3 = [
@@ -327,27 +328,28 @@ def test_gpt3_cli_activations_are_korthikanti_plus_documented_terms(capsys):
     """tp8 pp8 dp16, distributed optimizer, SP, selective recompute, bf16 (e = 2), dropout 0
     (the app's default). Korthikanti's layer with SP + selective: 34 sbh/t bytes. Ours
     differs by documented terms only (docs/memory.md, "GPT-3 175B against Korthikanti"):
-    - + 2 x 2 sbh/t: each LayerNorm keeps its input in fp32 (4 bytes, Korthikanti counts 2);
+    - each LayerNorm keeps its input in bf16, 2 bytes as Korthikanti counts (one autograd
+      function, as Megatron's fused kernel; it used to keep an fp32 copy, 4 bytes);
     - - 2 x 1 sbh/t: no dropout masks (Korthikanti counts two 1-byte hidden-dropout masks);
-    - + 2 x 8 s'b: each LayerNorm's fp32 mean and rstd; + 2 x 8h: its fp32 weight and bias;
+    - + 2 x 8 s'b: each LayerNorm's fp32 mean and rstd;
     - stage 0 once per micro-batch: the embedding's local ids (int64) and foreign mask 9 sb,
       and the int64 batch [4, b, s] that the learned positions' lookup keeps, 32 sb;
-    so the sbh terms are 36/34 of Korthikanti (+5.9 %) and the small ones add < 0.2 %."""
+    so the sbh terms are 32/34 of Korthikanti (-5.9 %) and the small ones add < 0.2 %."""
     assert main([*GPT3, "--json"]) == 0
     stages = json.loads(capsys.readouterr().out)
     s, b, h, t, p = 2048, 1, 12288, 8, 8
     layers, sbh_t = 96 // p, s * b * h // t
     korthikanti_layer = 34 * sbh_t
-    ours_layer = korthikanti_layer + 4 * sbh_t - 2 * sbh_t + 2 * 8 * (s // t) * b + 2 * 8 * h
+    ours_layer = korthikanti_layer - 2 * sbh_t + 2 * 8 * (s // t) * b
     loaded = max(stages, key=lambda x: x["activations_bytes"])
     assert loaded["stage"] == 0 and loaded["microbatches_in_flight"] == p  # 1F1B: p on stage 0
     assert loaded["activations_bytes"] == p * (layers * ours_layer + (9 + 32) * s * b)
     korthikanti = p * layers * korthikanti_layer  # 10,267,656,192 bytes
     assert loaded["korthikanti_activations_bytes"] == korthikanti
-    assert loaded["activations_bytes"] / korthikanti == pytest.approx(36 / 34, rel=2e-3)
+    assert loaded["activations_bytes"] / korthikanti == pytest.approx(32 / 34, rel=2e-3)
     last = stages[-1]  # 1 in flight; + final LayerNorm and the fp32 logits' softmax
     v = 51200 // t  # V 50257 padded to a multiple of 128 x 8
-    final_norm = 6 * (s // t) * b * h + 8 * (s // t) * b + 8 * h
+    final_norm = 4 * (s // t) * b * h + 8 * (s // t) * b  # input, output; mean, rstd
     output = 4 * s * b * v + 13 * s * b + 4  # softmax, labels, foreign and loss masks, count
     assert last["activations_bytes"] == layers * ours_layer + final_norm + output
 
@@ -509,3 +511,25 @@ def test_fp8_weight_cache_is_one_copy_per_te_weight(extra, fc1, fc2, capsys):
         assert s["fp8_weight_cache_bytes"] == 2 * 2 * per_layer
     assert main([a for a in argv if a not in ("hybrid", "--fp8-format")]) == 0
     assert all(s["fp8_weight_cache_bytes"] == 0 for s in json.loads(capsys.readouterr().out))
+
+
+def test_fp32_gqa_on_cuda_keeps_the_repeated_kv():
+    """SDPA's grouped-k/v rule (pentatron.models.sdpa.takes_grouped_kv) with the plan's
+    device and dtype: fp32 GQA on CUDA repeats k/v and keeps them at nq heads, `2 e sb nq d`,
+    instead of the QKV output `e sb (nq + 2 ng) d` and RoPE's rotated k `e sb ng d`; CPU
+    (any dtype) and bf16 on CUDA keep the grouped ones. --device auto sizes a CUDA run."""
+    s, b, nq, ng, d = 64, 2, 16, 2, 8
+    argv = [
+        "--num-layers", "1", "--hidden-size", str(nq * d), "--num-attention-heads", str(nq),
+        "--group-query-attention", "--num-query-groups", str(ng), "--seq-length", str(s),
+        "--micro-batch-size", str(b), "--world-size", "1",
+    ]  # fmt: skip
+
+    def attention(*extra):
+        plan, _ = build_plan([*argv, *extra])
+        return plan.device, chunk_activations(plan, 0, 0).attention
+
+    (cuda, on_cuda), (cpu, on_cpu) = attention("--device", "cuda"), attention("--device", "cpu")
+    assert (cuda, cpu, attention()[0]) == ("cuda", "cpu", "cuda")
+    assert on_cuda - on_cpu == 4 * s * b * d * (2 * nq - (nq + 2 * ng) - ng)
+    assert attention("--device", "cuda", "--bf16")[1] == attention("--device", "cpu", "--bf16")[1]

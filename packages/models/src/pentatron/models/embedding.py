@@ -77,6 +77,9 @@ class LanguageModelEmbedding(torch.nn.Module):
             emb = emb.float()
         p, sp = self.config.hidden_dropout, self.config.sequence_parallel
         if sp and not self.reduce_scatter_embeddings:
-            emb = scatter_to_sequence_parallel_region(emb, self.tp_group)
+            # The scatter returns a view of the whole [s, b, h]; the first norm keeps its
+            # input for backward, which would hold all of it: own the shard (as Megatron's
+            # clone_scatter_output_in_embedding).
+            emb = scatter_to_sequence_parallel_region(emb, self.tp_group).clone()
         with get_rng_tracker().fork() if sp and p > 0 else contextlib.nullcontext():
             return F.dropout(emb, p=p, training=self.training)

@@ -2,10 +2,15 @@
 
     q [b, n, s, d], k/v [b, g, s, d] (n = g * heads_per_group) -> [b, n, s, d]
 
-SDPA's flash kernels (CUDA and CPU) read grouped k/v themselves (`enable_gqa`), so the nq
-repeated heads are neither built nor kept for backward. With an attention mask, or heads
-over 256 dims, the kernel that would run may not take GQA and SDPA would fall back to its
-math kernel, so k/v are repeated to n heads first (as Hugging Face's SDPA path decides).
+SDPA's flash kernels read grouped k/v themselves (`enable_gqa`), so the n repeated heads
+are neither built nor kept for backward. k/v are repeated to n heads first wherever the
+kernel that would run may not take GQA and SDPA would fall back to its math kernel:
+- with an attention mask, or heads over 256 dims (as Hugging Face's SDPA path decides);
+- fp32 on CUDA: the flash kernel is fp16/bf16 only, and the memory-efficient kernel that
+  runs fp32 does not take grouped k/v (torch 2.11: only math would), so the repeated heads
+  let the efficient kernel run. CPU's flash kernel takes grouped k/v in fp32, bf16 and
+  fp16 alike.
+`takes_grouped_kv` is the rule; the memory calculator asks it too.
 """
 
 from __future__ import annotations
@@ -14,11 +19,26 @@ import torch
 import torch.nn.functional as F
 
 MAX_GQA_HEAD_DIM = 256
+# CUDA dtypes whose SDPA kernel (flash) takes grouped k/v; fp32 runs memory-efficient.
+CUDA_GQA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def takes_grouped_kv(heads_per_group: int, has_mask: bool, head_dim: int) -> bool:
-    """Whether `grouped_sdpa` hands SDPA the g grouped k/v heads as they are."""
-    return heads_per_group > 1 and not has_mask and head_dim <= MAX_GQA_HEAD_DIM
+def takes_grouped_kv(
+    heads_per_group: int,
+    has_mask: bool,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device_type: str,
+) -> bool:
+    """Whether `grouped_sdpa` hands SDPA the g grouped k/v heads as they are.
+
+    `device_type` is `torch.device.type` ("cuda", "cpu", ...); `dtype` that of q, k, v.
+    """
+    if heads_per_group <= 1 or has_mask or head_dim > MAX_GQA_HEAD_DIM:
+        return False
+    # Every device but the CPU follows CUDA's kernels (the fake GPU of the dry run too).
+    return device_type == "cpu" or dtype in CUDA_GQA_DTYPES
 
 
 def grouped_sdpa(
@@ -33,7 +53,9 @@ def grouped_sdpa(
 ) -> torch.Tensor:
     """`F.scaled_dot_product_attention` for n query heads over g = n / rep k/v heads."""
     rep = q.size(1) // k.size(1)
-    gqa = takes_grouped_kv(rep, attn_mask is not None, q.size(-1))
+    gqa = takes_grouped_kv(
+        rep, attn_mask is not None, q.size(-1), dtype=q.dtype, device_type=q.device.type
+    )
     if rep > 1 and not gqa:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(

@@ -3,12 +3,21 @@
 One definition serves the fused norm+linear layer here and pentatron.models' norm modules,
 so a norm fused into a linear has the numbers of the separate norm it replaces. Shapes are
 unchanged over the last dim `h`: `[s, b, h]` (or `[s/t, b, h]` with sequence parallelism).
+
+Each is one autograd function, as Megatron's fused norm kernels are: it keeps for backward
+only its input `x` in its own dtype, the per-row fp32 statistics (`[s, b, 1]`: rstd, and
+the mean for LayerNorm) and the parameters. Written in plain autograd, a 16-bit `x` would leave
+its fp32 copy `4 sbh` (and for RMSNorm the 16-bit normalised tensor) alive until backward;
+here backward recomputes the fp32 normalised input from `x` and the statistics, a transient.
+The forward is the plain-autograd formula op for op, so outputs are bitwise unchanged.
+Double backward is out of scope: a backward run with `create_graph=True` raises.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
 from .utils import TPConfigError
 
@@ -24,16 +33,89 @@ def check_normalization(normalization: str) -> None:
         )
 
 
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """`[.., h]` -> `[h]`: the sum over every dim but the last (a weight's grad)."""
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+def _refuse_double_backward(name: str) -> None:
+    """Raise inside a backward that autograd records (`create_graph=True`): the hand-written
+    backward is not itself differentiable, and `once_differentiable` would only fail later,
+    or not at all when the upstream grad is a constant."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: double backward (create_graph=True) is not supported: the rule: its "
+            "backward is hand-written and not differentiable; fix: differentiate the plain "
+            "formula (torch.nn.functional) for higher-order gradients"
+        )
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.to(torch.float32)
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return weight * (h * rstd).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _refuse_double_backward("rms_norm")
+        x, rstd, weight = ctx.saved_tensors
+        n = x.to(torch.float32) * rstd  # the fp32 normalised input, recomputed
+        g = grad.to(torch.float32)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dn = g * weight.to(torch.float32)
+            # d/dx of x * rstd(x): rstd * (dn - n * mean(dn * n)) over the last dim
+            dx = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _row_sum(g * n).to(weight.dtype)
+        return dx, dw, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        # F.layer_norm's own kernel, which also returns the fp32 mean and rstd `[.., 1]`
+        out, mean, rstd = torch.native_layer_norm(
+            x.to(torch.float32), (weight.numel(),), weight.float(), bias.float(), eps
+        )
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        return out.to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _refuse_double_backward("layer_norm")
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        mask = list(ctx.needs_input_grad[:3])
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            grad.to(torch.float32),
+            x.to(torch.float32),
+            (weight.numel(),),
+            mean,
+            rstd,
+            weight.float(),
+            bias.float(),  # unused, but the kernel shapes dbias after it
+            mask,
+        )
+        dx = dx.to(x.dtype) if mask[0] else None
+        dw = dw.to(weight.dtype) if mask[1] else None
+        db = db.to(bias.dtype) if mask[2] else None
+        return dx, dw, db, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x / sqrt(mean(x^2) + eps) * weight` (Hugging Face Llama's order of casts)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(weight.dtype)
+    """`x / sqrt(mean(x^2) + eps) * weight` (Hugging Face Llama's order of casts):
+    `[.., h]` -> `[.., h]` in `weight`'s dtype, keeping `x` and the fp32 rstd `[.., 1]`."""
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """`torch.nn.functional.layer_norm` with weight and bias, computed in fp32."""
-    out = F.layer_norm(x.to(torch.float32), (weight.numel(),), weight.float(), bias.float(), eps)
-    return out.to(weight.dtype)
+    """`torch.nn.functional.layer_norm` with weight and bias, computed in fp32: `[.., h]` ->
+    `[.., h]` in `weight`'s dtype, keeping `x` and the fp32 mean and rstd `[.., 1]`."""
+    return _LayerNorm.apply(x, weight, bias, eps)

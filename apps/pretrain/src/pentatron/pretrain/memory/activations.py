@@ -7,14 +7,14 @@ e = bytes of the activation dtype (the params dtype), nq/ng heads/groups, d head
 F ffn, F1 = 2F with SwiGLU else F, V padded vocabulary.
 
 Per transformer layer (no recompute):
-- each RMSNorm (2 per layer): its input as fp32 `4 s'bh`, the fp32 rstd `4 s'b`, the
-  normalised tensor `e s'bh`, its output (kept by the next linear) `e s'bh`;
-  LayerNorm: input `4 s'bh`, mean + rstd `8 s'b`, output `e s'bh` (+ in 16-bit the fp32
-  copies of its weight and bias `8h`, which layer_norm's backward keeps);
+- each RMSNorm (2 per layer): its input in its own dtype `e s'bh` and the fp32 rstd `4 s'b`
+  (tp-layers' norms are one autograd function each, as Megatron's fused norm kernels),
+  its output (kept by the next linear) `e s'bh`; LayerNorm: also the fp32 mean `4 s'b`;
 - attention: the fused QKV output `e sb(nq+2ng)d/t` (RoPE and SDPA keep views of it);
   RoPE's rotated q and k `e sb(nq+ng)d/t` (+ in 16-bit the cos/sin casts `4 e s b_pos r`);
-  SDPA takes GQA's grouped k and v as they are, except for heads over 256 dims, where
-  the repeated k and v `2 e sb nq d/t` are kept instead; SDPA's output `e sb nq d/t`
+  SDPA takes GQA's grouped k and v as they are, except for heads over 256 dims and fp32
+  on CUDA (`pentatron.models.sdpa.takes_grouped_kv`; `MemoryPlan.device`), where the
+  repeated k and v `2 e sb nq d/t` are kept instead; SDPA's output `e sb nq d/t`
   (also the input of linear_proj) and its fp32 log-sum-exp `4 b nq/t s`. SDPA is a flash kernel: no
   `s x s` matrix is stored, which is why Korthikanti's `5as/h` term is absent;
 - MLP: fc1 output `e sb F1/t`; the activation's output (fc2's input) `e sb F/t`; SwiGLU
@@ -74,10 +74,10 @@ def _seq(plan: MemoryPlan) -> int:
 
 
 def _norm_bytes(plan: MemoryPlan, s_: int, b: int, e: int) -> int:
-    h = plan.config.hidden_size
-    if plan.config.normalization == "RMSNorm":
-        return (4 + 2 * e) * s_ * b * h + 4 * s_ * b
-    return (4 + e) * s_ * b * h + 8 * s_ * b + (8 * h if e != 4 else 0)
+    """One norm over `[s', b, h]`: its input and output `2e s'bh`, and its fp32 rstd (and
+    LayerNorm's mean) `4 s'b` each."""
+    stats = 1 if plan.config.normalization == "RMSNorm" else 2
+    return 2 * e * s_ * b * plan.config.hidden_size + 4 * stats * s_ * b
 
 
 def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms:
@@ -108,19 +108,27 @@ def _act_copies(c) -> int:
     return 2 if c.gated_linear_unit and not c.bias_activation_fusion else 1
 
 
+def _grouped_kv(plan: MemoryPlan, heads_per_group: int, d: int) -> bool:
+    """Does SDPA get GQA's grouped k/v as they are (no mask: the app never passes one)?"""
+    return takes_grouped_kv(
+        heads_per_group, False, d, dtype=plan.config.params_dtype, device_type=plan.device
+    )
+
+
 def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     """(QKV/RoPE/SDPA-input bytes, core-attention bytes). RoPE's multiplies keep only
     cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
-    unless GQA repeats them (heads over 256 dims; then the repeats are kept instead); q is
-    a copy with RoPE or those repeats. Selective recompute keeps the checkpoint's inputs
-    q, k, v (before any repeat). With cp > 1 see `_cp_attention_terms`."""
+    unless GQA repeats them (heads over 256 dims, fp32 on CUDA; then the repeats are kept
+    instead); q is a copy with RoPE or those repeats. Selective recompute keeps the
+    checkpoint's inputs q, k, v (before any repeat). With cp > 1 see
+    `_cp_attention_terms`."""
     c = plan.config
     if plan.cp > 1:
         return _cp_attention_terms(plan, sb, b, e, nq, ng, d)
     rope = c.position_embedding_type == "rope"
-    # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims
-    # (or with an attention mask, which the app never passes): pentatron.models.attention.
-    gqa = nq != ng and not takes_grouped_kv(nq // ng, False, d)
+    # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims,
+    # fp32 on CUDA (or with an attention mask, which the app never passes): models.sdpa.
+    gqa = nq != ng and not _grouped_kv(plan, nq // ng, d)
     selective = c.recompute_granularity == "selective"
     att = e * sb * nq * d if (rope or gqa) else 0
     if selective or not gqa:
@@ -139,8 +147,8 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
       output `e sb nq d`. K/V of other ranks are re-received in backward, not kept;
     - a2a (Ulysses): q, k, v are exchanged to all s and nq/cp heads and re-ordered, so
       RoPE's outputs and the QKV output are not kept; SDPA keeps q, k, v (with GQA k, v
-      at ng/cp heads, repeated to nq/cp only for heads over 256 dims), its output,
-      log-sum-exp, and the two int64 orderings `16 s`;
+      at ng/cp heads, repeated to nq/cp for heads over 256 dims and fp32 on CUDA), its
+      output, log-sum-exp, and the two int64 orderings `16 s`;
       linear_proj keeps the exchanged-back output `e sb nq d`.
     Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute with cp is
     not measured (sized as without it)."""
@@ -148,7 +156,7 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     rope = c.position_embedding_type == "rope"
     lse = 4 * nq * sb
     if c.cp_comm_type == "a2a":
-        kv = ng if takes_grouped_kv(nq // ng, False, d) else nq  # heads of k and v
+        kv = ng if _grouped_kv(plan, nq // ng, d) else nq  # heads of k and v
         core = e * sb * (2 * nq + 2 * kv) * d + lse + 16 * sb // b * cp  # q, k, v, out
         return 0, core + e * sb * nq * d
     att = e * sb * (nq + 2 * ng) * d + (e * sb * (nq + ng) * d if rope else 0)

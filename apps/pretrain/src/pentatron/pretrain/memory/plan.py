@@ -40,6 +40,8 @@ class MemoryPlan:
     optimizer: str = "adam"
     name: str = "custom"
     max_position_embeddings: int | None = None  # learned positions' table; None: seq_length
+    # torch.device type of the run; SDPA's grouped-k/v rule depends on it (models.sdpa)
+    device: str = "cuda"
 
     @property
     def tp(self) -> int:
@@ -122,4 +124,5 @@ def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
         bucket_size=ddp.resolved_bucket_size(args.data_parallel_size),
         optimizer=args.optimizer,
         max_position_embeddings=args.max_position_embeddings,
+        device="cpu" if args.device == "cpu" else "cuda",  # auto: the GPU run being sized
     )
