@@ -14,13 +14,13 @@ from pentatron.tp_layers import accumulate_weight_grad, wgrad_kernel
 from pentatron.tp_layers.layers.linear import linear_with_grad_accumulation_and_async_allreduce
 from pentatron.tp_layers.layers.wgrad import _DUMMIES, placeholder_grad
 
-T, O, I = 96, 24, 40
+T, OUT, IN = 96, 24, 40
 
 
 def _operands(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    dy = torch.randn(T, O, generator=g).to(dtype)
-    x = torch.randn(T, I, generator=g).to(dtype)
+    dy = torch.randn(T, OUT, generator=g).to(dtype)
+    x = torch.randn(T, IN, generator=g).to(dtype)
     return dy, x
 
 
@@ -32,7 +32,7 @@ def _bound(dy, x):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_accumulation_matches_exact_products(dtype):
     dy, x = _operands(dtype)
-    start = torch.randn(O, I, generator=torch.Generator().manual_seed(5))
+    start = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(5))
     main = start.clone()
     accumulate_weight_grad(main, dy, x)
     accumulate_weight_grad(main, dy, x)  # micro-batches accumulate
@@ -46,7 +46,7 @@ def test_fused_accumulation_matches_exact_products(dtype):
 
 def test_fp32_operands_accumulate_in_place():
     dy, x = _operands(torch.float32)
-    main = torch.zeros(O, I)
+    main = torch.zeros(OUT, IN)
     accumulate_weight_grad(main, dy, x)
     torch.testing.assert_close(main, dy.t() @ x, rtol=1e-6, atol=1e-6)
     assert wgrad_kernel("cpu", torch.float32) == "addmm"
@@ -63,7 +63,7 @@ def test_meta_path_multiplies_in_bf16():
     """On a tensor-core device the GEMM's operands stay bf16 (no fp32 SIMT GEMM)."""
     from pentatron.parallel_state.testing.fake_device import FakeDevice
 
-    main = torch.zeros(O, I, device="meta")
+    main = torch.zeros(OUT, IN, device="meta")
     dy, x = (t.to("meta") for t in _operands(torch.bfloat16))
     with FakeDevice(compute_dtype=torch.bfloat16) as dev:
         accumulate_weight_grad(main, dy, x)
@@ -80,11 +80,11 @@ def test_fused_layer_grads_match_unfused():
     without (weight.grad from autograd), fp32 activations: the same dW."""
     group = None  # no process group: one rank, no communication
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 2, I, generator=g, requires_grad=True)
-    dy = torch.randn(6, 2, O, generator=g)
-    w_ref = torch.nn.Parameter(torch.randn(O, I, generator=g))
+    x = torch.randn(6, 2, IN, generator=g, requires_grad=True)
+    dy = torch.randn(6, 2, OUT, generator=g)
+    w_ref = torch.nn.Parameter(torch.randn(OUT, IN, generator=g))
     w = torch.nn.Parameter(w_ref.detach().clone())
-    w.main_grad = torch.zeros(O, I)
+    w.main_grad = torch.zeros(OUT, IN)
     out_ref = linear_with_grad_accumulation_and_async_allreduce(
         x, w_ref, None, False, False, False, group
     )
@@ -100,13 +100,13 @@ def test_placeholder_grad_is_adopted_without_copy():
     """With DDP's marker, the layer hands autograd a view of one shared buffer; autograd
     adopts it as .grad without cloning, so no weight-sized tensor is made per call."""
     group = None  # no process group: one rank, no communication
-    w = torch.nn.Parameter(torch.randn(O, I))
-    w.main_grad = torch.zeros(O, I)
+    w = torch.nn.Parameter(torch.randn(OUT, IN))
+    w.main_grad = torch.zeros(OUT, IN)
     w.grad_added_to_main_grad = False
     seen = []
     w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.untyped_storage().data_ptr()))
     for _ in range(2):
-        x = torch.randn(3, 2, I, requires_grad=True)
+        x = torch.randn(3, 2, IN, requires_grad=True)
         linear_with_grad_accumulation_and_async_allreduce(
             x, w, None, True, False, False, group
         ).sum().backward()

@@ -62,6 +62,17 @@ def _model(p: argparse.ArgumentParser) -> None:
         help="CUDA graphs of the transformer layers, captured after the warm-up steps",
     )
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer layer in place (torchtitan's per-layer compile)",
+    )
+    g.add_argument(
+        "--compile-backend",
+        default=None,
+        choices=["inductor", "aot_eager", "eager"],
+        help="the torch.compile backend with --compile (default: inductor)",
+    )
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 Runs on every rank before any collective, so a bad run fails everywhere alike with one line
 naming the flag, the rule and a fix. Fills in: data_parallel_size, global_batch_size,
 num_microbatches, virtual_pipeline_model_parallel_size, num_query_groups, ffn_hidden_size,
-max_position_embeddings, lr_decay_iters, lr_warmup_iters, start/end weight decay.
+max_position_embeddings, lr_decay_iters, lr_warmup_iters, start/end weight decay,
+compile_backend.
 """
 
 from __future__ import annotations
@@ -343,6 +344,52 @@ def _fsdp2(args: argparse.Namespace) -> None:
         )
 
 
+def _compile(args: argparse.Namespace) -> None:
+    """--compile's limits, each measured (docs/architecture.md, "torch.compile")."""
+    if not args.compile:
+        if args.compile_backend is not None:
+            _fail(
+                "compile-backend",
+                args.compile_backend,
+                "has no effect without --compile",
+                "add --compile or drop --compile-backend",
+            )
+        return
+    args.compile_backend = args.compile_backend or "inductor"
+    cp_ring = args.context_parallel_size > 1 and args.cp_comm_type == "p2p"
+    refused = [
+        (
+            "enable-cuda-graph",
+            args.enable_cuda_graph,
+            "capturing compiled layers in our CUDA graphs is not verified on a GPU",
+            "drop one of them",
+        ),
+        (
+            "transformer-impl",
+            args.transformer_impl if args.transformer_impl == "transformer_engine" else None,
+            "Dynamo does not trace transformer-engine's modules (a graph break at each, "
+            "and its FP8 delayed scaling is unsupported under torch.compile)",
+            "use --transformer-impl local, or drop --compile",
+        ),
+        (
+            "num-experts",
+            args.num_experts,
+            "a MoE layer routes a data-dependent number of tokens (about 15 graph breaks "
+            "a layer, and recompiles as the routing changes)",
+            "drop --compile for MoE models",
+        ),
+        (
+            "cp-comm-type",
+            "p2p" if cp_ring else None,
+            "the ring's send/recv of k/v chunks is not traceable (graph breaks at every step)",
+            "use --cp-comm-type all_gather or a2a",
+        ),
+    ]
+    for flag, value, why, fix in refused:
+        if value:
+            _fail(flag, value, f"with --compile: {why}", fix)
+
+
 def _data_and_checkpoints(args: argparse.Namespace) -> None:
     if args.data_path:
         from .data.builder import parse_data_path
@@ -422,6 +469,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False)
     _training_length(args)
     _precision_and_gpu(args, cuda)
     _fsdp2(args)
+    _compile(args)
     _data_and_checkpoints(args)
     _model_config(args)
     return args

@@ -49,7 +49,7 @@ def mlp_activation(config: Any, x: torch.Tensor) -> torch.Tensor:
     """fc1's output `[.., F1]` -> fc2's input `[.., F]` by `config.activation`."""
     if not config.gated_linear_unit:
         return config.activation_func(x)
-    if config.bias_activation_fusion:
+    if config.bias_activation_fusion and not torch.compiler.is_compiling():
         return swiglu(x)
     gate, up = torch.chunk(x, 2, dim=-1)
     return config.activation_func(gate) * up

@@ -159,7 +159,25 @@ def _named_errors(op: str, group: Any) -> Iterator[None]:
         ) from exc
 
 
+class _CompletedWork:
+    """The handle of a collective issued synchronously (see `_call`): already complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_COMPLETED = _CompletedWork()
+
+
 def _call(name: str, group: Any, async_op: bool, fn: Any, *args: Any, **kw: Any) -> Any:
+    if async_op and torch.compiler.is_compiling():
+        # torch.compile traces only synchronous collectives (into functional collectives,
+        # whose waits the compiler places); the caller's handle is then already complete.
+        fn(*args, group=group, async_op=False, **kw)
+        return _COMPLETED
     with _named_errors(name, group):
         work = fn(*args, group=group, async_op=async_op, **kw)
     return _NamedWork(work, name, group) if async_op else None

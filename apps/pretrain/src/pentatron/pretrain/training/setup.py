@@ -25,6 +25,7 @@ from pentatron.parallel_state import ProcessGrid, initialize_model_parallel
 from pentatron.tp_layers import model_parallel_seed
 
 from . import configs
+from .compile import compile_layers
 from .init_weights import init_weights_layout_independent
 
 
@@ -84,6 +85,8 @@ def get_model(
         pre, post = stage_flags(grid, stage, vpp)
         model = model_provider(pre, post, vp_stage=stage)
         init_weights_layout_independent(model, args.seed)
+        if args.compile:  # in place, before the data-parallel wrapper (see compile.py)
+            compile_layers(model, args.compile_backend)
         chunks.append(model)
     if args.use_torch_fsdp2:
         return [fsdp2_chunk(m, args, grid) for m in chunks]

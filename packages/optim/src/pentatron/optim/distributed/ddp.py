@@ -70,6 +70,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._hooks += [
                 m.register_forward_pre_hook(self._wait_for_params) for m in module.modules()
             ]
+            self._hooks.append(self.register_forward_pre_hook(self._wait_before_compiled))
         if broadcast_params:
             self.broadcast_params()
 
@@ -128,10 +129,20 @@ class DistributedDataParallel(torch.nn.Module):
     def _wait_for_params(self, module: torch.nn.Module, args: Any) -> None:
         # overlap_param_gather: the all-gather of this module's params was launched after the
         # optimizer step; wait for it only now, just before the params are first read.
+        if torch.compiler.is_compiling():
+            return  # traced in a compiled module, where a wait cannot be: see below
         for p in module.parameters(recurse=False):
             buffer = self.param_to_buffer.get(p)
             if buffer is not None:
                 buffer.finish_param_sync(buffer.param_to_bucket[p])
+
+    def _wait_before_compiled(self, wrapper: torch.nn.Module, args: Any) -> None:
+        # A module compiled in place (`module.compile()`) runs its submodules' hooks traced by
+        # Dynamo, which cannot wait on a collective's handle: wait for every param before the
+        # wrapped model runs. No later than the per-module waits: the all-gathers start in
+        # bucket order, last layers first, so the first layers' bucket arrives last anyway.
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.module.modules()):
+            self.finish_param_sync()
 
     # --- public API --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -134,7 +134,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         x,
         weight,
         bias,
-        gradient_accumulation_fusion,
+        # torch.compile cannot trace a backward that writes main_grad: return dW instead
+        gradient_accumulation_fusion and not torch.compiler.is_compiling(),
         allreduce_dgrad,
         sequence_parallel,
         tp_group,
