@@ -1,28 +1,34 @@
-"""GPU check of --enable-cuda-graph (run where CUDA exists; not part of CI):
+"""Device check `cuda-graphs`: --enable-cuda-graph on a GPU (run_all.py runs it; not CI):
 
     python tools/device_checks/cuda_graphs.py          # 1 GPU: tp1 pp1
     torchrun --standalone --nproc-per-node 4 tools/device_checks/cuda_graphs.py  # tp2 pp2 vpp2
 
 Trains the same tiny GPT (bf16, no dropout, RoPE, GQA, SwiGLU) for 8 steps through the
-training app twice, eagerly and with the transformer layers captured as CUDA graphs after
-3 warm-up steps, at tp = min(2, world) with sequence parallelism and, when the world
-allows, pp2 with 2 virtual stages (the interleaved schedule, the capture order's hard
-case) and the distributed optimizer with overlapped grad reduce and param gather.
-Prints both loss curves, the time per step after capture, and exits non-zero when a
-graphed loss differs from the eager one by more than 1e-3 relative (bf16: cuBLAS may pick
-other kernels inside a capture) or a step fails.
+training app twice in this process, eagerly and with the transformer layers captured as
+CUDA graphs after 3 warm-up steps, at tp = min(2, world) with sequence parallelism and,
+when the world allows, pp2 with 2 virtual stages (the interleaved schedule, the capture
+order's hard case) and the distributed optimizer with overlapped grad reduce and param
+gather. The process group (NCCL) is created here first, from torchrun's environment or,
+under plain `python`, as a world of one. Prints both loss curves, the median time per
+step after capture (from the app's metrics JSONL) and `RESULT {json}`, and exits non-zero
+when a graphed loss differs from the eager one by more than 1e-3 relative (bf16: cuBLAS
+may pick other kernels inside a capture) or a step fails.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import sys
+import tempfile
 import time
 
+import _paths  # noqa: F401
 import torch
 import torch.distributed as dist
 
-STEPS, TOL = 8, 1e-3
+STEPS, WARMUP, TOL = 8, 3, 1e-3
 
 
 def flags(world: int) -> list[str]:
@@ -57,19 +63,36 @@ def flags(world: int) -> list[str]:
     return out
 
 
-def run(argv: list[str]) -> tuple[list[float | None], float]:
+def run(argv: list[str], jsonl: str) -> tuple[list[float | None], float, float | None]:
+    """(losses, wall seconds, median step seconds after the capture) of one app run."""
     from pentatron.parallel_state import destroy_model_parallel
     from pentatron.pretrain.arguments import parse_args, validate_args
     from pentatron.pretrain.pretrain_gpt import pretrain
 
-    args = validate_args(parse_args(argv), dist.get_world_size(), cuda=True)
+    args = validate_args(
+        parse_args([*argv, "--log-jsonl", jsonl]), dist.get_world_size(), cuda=True
+    )
     start = time.perf_counter()
     try:
         losses = pretrain(args).losses
     finally:
         destroy_model_parallel()
     torch.cuda.synchronize()
-    return losses, time.perf_counter() - start
+    return losses, time.perf_counter() - start, _step_time(jsonl)
+
+
+def _step_time(jsonl: str) -> float | None:
+    """Median `iteration_time_s` of the iterations after warm-up + capture (last rank)."""
+    if not os.path.exists(jsonl):
+        return None
+    with open(jsonl) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    times = [
+        r["iteration_time_s"]
+        for r in recs
+        if r.get("split") == "train" and r["iteration"] > WARMUP + 1 and r.get("iteration_time_s")
+    ]
+    return statistics.median(times) if times else None
 
 
 def main() -> int:
@@ -78,22 +101,45 @@ def main() -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing checked")
+        print("RESULT " + json.dumps({"status": "SKIP", "note": "needs CUDA"}))
+        return 0
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    world = int(os.environ["WORLD_SIZE"])
+    if not dist.is_initialized():  # the grid would make it, but we need the world size first
+        dist.init_process_group("nccl")
+    world = dist.get_world_size()
     base = flags(world)
-    eager, t_eager = run(base)
-    graphed, t_graph = run([*base, "--enable-cuda-graph", "--cuda-graph-warmup-steps", "3"])
-    bad = 0
+    tmp = tempfile.mkdtemp(prefix="cuda_graphs_")
+    rank = dist.get_rank()
+    eager, t_eager, s_eager = run(base, os.path.join(tmp, f"eager_{rank}.jsonl"))
+    graphed, t_graph, s_graph = run(
+        [*base, "--enable-cuda-graph", "--cuda-graph-warmup-steps", str(WARMUP)],
+        os.path.join(tmp, f"graphed_{rank}.jsonl"),
+    )
+    bad, worst = 0, 0.0
     if eager and eager[0] is not None:
         for i, (a, b) in enumerate(zip(eager, graphed), 1):
             rel = abs(a - b) / abs(a)
+            worst = max(worst, rel)
             bad += rel > TOL
-            print(f"rank {dist.get_rank()} step {i}: eager {a:.6f} graphed {b:.6f} rel {rel:.2e}")
-        print(f"rank {dist.get_rank()}: wall eager {t_eager:.1f}s, graphed {t_graph:.1f}s")
+            print(f"rank {rank} step {i}: eager {a:.6f} graphed {b:.6f} rel {rel:.2e}")
+        ms = lambda s: "n/a" if s is None else f"{s * 1e3:.1f} ms"  # noqa: E731
+        print(f"rank {rank}: wall eager {t_eager:.1f}s, graphed {t_graph:.1f}s; per step after "
+              f"capture: eager {ms(s_eager)}, graphed {ms(s_graph)}")  # fmt: skip
+        result = {
+            "steps": len(eager), "max_rel_diff": worst, "tolerance": TOL, "steps_differing": bad,
+            "wall_eager_s": t_eager, "wall_graphed_s": t_graph,
+            "step_eager_ms": None if s_eager is None else s_eager * 1e3,
+            "step_graphed_ms": None if s_graph is None else s_graph * 1e3,
+            "layout": {"world": world},
+        }  # fmt: skip
+        print("RESULT " + json.dumps(result))
     flag = torch.tensor([float(bad)], device="cuda")
     dist.all_reduce(flag)
-    if dist.get_rank() == 0:
+    if rank == 0:
         print("OK" if flag.item() == 0 else f"FAIL: {int(flag.item())} steps differ")
+    dist.destroy_process_group()
     return 0 if flag.item() == 0 else 1
 
 

@@ -1,4 +1,5 @@
-"""GPU check (run where CUDA and transformer-engine exist; not part of CI):
+"""GPU check (run where CUDA and transformer-engine exist; not part of CI, and not part
+of run_all.py: the project's GPU machine has no transformer-engine, so it has never run):
 
     torchrun --standalone --nproc-per-node 2 tools/device_checks/models_te.py
 
@@ -15,6 +16,7 @@ line per rank and exits non-zero on a mismatch.
 
 import dataclasses
 
+import _paths  # noqa: F401  (the repository sources on sys.path)
 import torch
 import torch.distributed as dist
 

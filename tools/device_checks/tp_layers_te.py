@@ -1,4 +1,5 @@
-"""GPU check (run where CUDA and transformer-engine exist; not part of CI):
+"""GPU check (run where CUDA and transformer-engine exist; not part of CI, and not part
+of run_all.py: the project's GPU machine has no transformer-engine, so it has never run):
 
     torchrun --standalone --nproc-per-node 2 tools/device_checks/tp_layers_te.py
 
@@ -11,6 +12,7 @@ agree within fp32 GEMM tolerance (TF32 off). Prints one line per rank and check,
 non-zero on a mismatch.
 """
 
+import _paths  # noqa: F401  (the repository sources on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
