@@ -58,7 +58,7 @@ from .te_spec import HAVE_TE
 from .transformer_block import TransformerBlock, get_layer_offset, get_num_layers_to_build
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__version__ = "0.2.2"
+__version__ = "0.2.3"
 
 __all__ = [
     "CudaGraphError",

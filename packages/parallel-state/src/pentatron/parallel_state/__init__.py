@@ -19,7 +19,7 @@ from .grid import (
 from .layout import ALIASES, FAMILIES, GridLayout
 from .rank_generator import RankGenerator, masked_rank_groups
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "ALIASES",

@@ -24,7 +24,7 @@ from .schedules import (
 )
 from .timeline import Event, ScheduleDeadlock, Timeline, simulate, simulate_ops, to_chrome_trace
 
-__version__ = "0.1.3"
+__version__ = "0.1.4"
 
 __all__ = [
     "BubbleReport",

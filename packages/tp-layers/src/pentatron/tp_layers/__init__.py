@@ -54,7 +54,7 @@ from .utils import (
     vocab_range,
 )
 
-__version__ = "0.1.3"
+__version__ = "0.1.4"
 
 __all__ = [
     "accumulate_weight_grad",

@@ -2,6 +2,8 @@
 
 `run_distributed(world_size, fn, *args)` uses a process-wide `PoolSet`; under pytest use the
 `distributed` fixture (plugin registered through the `pytest11` entry point).
+`fake_device`: one process playing any rank of a world on a fake GPU (`fake_world`,
+`FakeDevice`), for CPU tests of device discipline.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import atexit
 from collections.abc import Callable
 from typing import Any
 
+from .fake_device import DeviceDisciplineError, FakeDevice, fake_world
 from .pool import PoolSet, RankError, RankPool, RankTimeoutError
 
 _DEFAULT_POOLS: PoolSet | None = None
@@ -31,10 +34,13 @@ def run_distributed(
 
 
 __all__ = [
+    "DeviceDisciplineError",
+    "FakeDevice",
     "PoolSet",
     "RankError",
     "RankPool",
     "RankTimeoutError",
     "default_pools",
+    "fake_world",
     "run_distributed",
 ]
