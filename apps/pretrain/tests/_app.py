@@ -36,6 +36,17 @@ TINY_GPT = [
     "--no-progress",
 ]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# tp2 x pp2 with 2 virtual stages, sequence parallel, ZeRO-1 with overlapped grad reduce
+# and param gather: the layout that exercises the most machinery at world 8
+TP2_PP2_VPP2_SP_ZERO1 = [
+    *TP2_PP2,
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+]
 
 
 def train(argv: list[str]) -> list[float | None]:

@@ -23,19 +23,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _app import TINY_GPT, TP2_PP2
+from _app import TINY_GPT, TP2_PP2_VPP2_SP_ZERO1
 
 COMMON = [*TINY_GPT, "--group-query-attention", "--num-query-groups", "2", "--seed", "7"]
 LAYOUTS = {
     # 8 ranks: the pipeline schedule with virtual stages, SP, ZeRO-1 and both overlaps
     "tp2-pp2-vpp2-dp2-sp-distopt": [
-        *TP2_PP2,
-        "--num-layers-per-virtual-pipeline-stage",
-        "1",
-        "--sequence-parallel",
-        "--use-distributed-optimizer",
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
+        *TP2_PP2_VPP2_SP_ZERO1,
         "--train-iters",
         "4",
     ],

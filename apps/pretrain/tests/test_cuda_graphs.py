@@ -24,18 +24,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _app import TINY_GPT, TP2_PP2, last_stage
+from _app import TINY_GPT, TP2_PP2_VPP2_SP_ZERO1, last_stage
 
 STEPS = 6
 ARGS = [
     *TINY_GPT,
-    *TP2_PP2,
-    "--num-layers-per-virtual-pipeline-stage",
-    "1",
-    "--sequence-parallel",
-    "--use-distributed-optimizer",
-    "--overlap-grad-reduce",
-    "--overlap-param-gather",
+    *TP2_PP2_VPP2_SP_ZERO1,
     "--hidden-dropout",
     "0",
     "--attention-dropout",
