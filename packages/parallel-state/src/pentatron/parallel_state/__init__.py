@@ -13,8 +13,10 @@ from .grid import (
     ProcessGrid,
     destroy_model_parallel,
     get_default_grid,
+    gloo_threads,
     initialize_model_parallel,
     model_parallel_is_initialized,
+    shutdown,
 )
 from .layout import ALIASES, FAMILIES, GridLayout
 from .rank_generator import RankGenerator, masked_rank_groups
@@ -41,9 +43,11 @@ __all__ = [
     "current_device",
     "destroy_model_parallel",
     "get_default_grid",
+    "gloo_threads",
     "initialize_model_parallel",
     "masked_rank_groups",
     "model_parallel_is_initialized",
+    "shutdown",
     "trace",
     *ACCESSORS,
 ]

@@ -76,11 +76,12 @@ def _resolve(path: str, qualname: str) -> Callable[..., Any]:
 
 
 def _after_call() -> None:
-    """Leave no state behind for the next test on this rank."""
+    """Leave no state behind for the next test on this rank: the app's clean shutdown,
+    except for the default group, which the worker keeps for its next call."""
     from .. import comm
-    from ..grid import destroy_model_parallel
+    from ..grid import shutdown
 
-    destroy_model_parallel()
+    shutdown(default_group=False)
     comm._ACTIVE.clear()
 
 
@@ -135,7 +136,9 @@ def _worker(
             results.put(
                 (rank, call_id, False, "result could not be sent back:\n" + traceback.format_exc())
             )
-    dist.destroy_process_group()
+    from ..grid import shutdown
+
+    shutdown()  # as the app ends: every group destroyed, no gloo thread left at exit
 
 
 class RankPool:
