@@ -11,7 +11,8 @@ issues) the reductions. Dense params reduce over dp x cp; expert params (Megatro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,20 @@ from .grad_buffer import ParamAndGradBuffer
 def is_expert_param(param: torch.nn.Parameter) -> bool:
     """Megatron's marker: expert params set `allreduce = False` (they reduce over edp)."""
     return not getattr(param, "allreduce", True)
+
+
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, holding its object weakly. A param keeps its post-accumulate-grad hooks
+    where the garbage collector cannot see them, so a bound method there would make the
+    wrapper, its module and its process groups immortal (and the groups' gloo threads
+    outlive the run: see `parallel_state.shutdown`)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -65,7 +80,8 @@ class DistributedDataParallel(torch.nn.Module):
             # Layers that accumulate dW straight into `main_grad` (gradient accumulation
             # fusion) set this and hand autograd a dummy grad, so the hook below still fires.
             p.grad_added_to_main_grad = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
+        grad_hook = _weak_method(self._grad_hook)
+        self._hooks = [p.register_post_accumulate_grad_hook(grad_hook) for p in params]
         if config.overlap_param_gather:
             self._hooks += [
                 m.register_forward_pre_hook(self._wait_for_params) for m in module.modules()
