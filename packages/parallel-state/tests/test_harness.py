@@ -1,8 +1,10 @@
-"""The harness itself: reuse, failure reporting, and killing hung ranks."""
+"""The harness itself: reuse, failure reporting, killing hung ranks, and the clean end its
+workers share with the app (`parallel_state.shutdown`)."""
 
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from pentatron.parallel_state.testing import RankError, RankPool, RankTimeoutError
@@ -82,3 +84,55 @@ def test_local_function_rejected(distributed):
 
     with pytest.raises(ValueError, match="module level"):
         distributed.run(2, local)
+
+
+_KEPT: list = []  # a worker's module global: what keeps a group alive past its destruction
+
+
+def _groups_left_behind(keep: bool) -> int:
+    """A call that leaves its destruction to the harness: the default grid, and a group of
+    its own named in comm; each has run a collective, so its gloo threads have worked."""
+    from pentatron.parallel_state import ParallelConfig, comm, gloo_threads
+    from pentatron.parallel_state import initialize_model_parallel as init
+
+    grid = init(ParallelConfig(tp=2))
+    own = dist.new_group(backend="gloo")
+    comm.register_group_name(own, "own")
+    for group in (grid.group("tp"), grid.group("dp"), own):
+        comm.all_reduce(torch.ones(4), group=group)
+    if keep:
+        _KEPT.append(grid.group("tp"))
+    return len(gloo_threads())
+
+
+def _gloo_thread_count() -> int:
+    from pentatron.parallel_state import gloo_threads
+
+    return len(gloo_threads())
+
+
+def _end(pool: RankPool) -> list:
+    procs = list(pool._procs)
+    pool.close()
+    return [p.exitcode for p in procs]
+
+
+def test_workers_end_with_the_apps_shutdown():
+    pool = RankPool(2, timeout=60)
+    try:
+        alone = pool.run(_gloo_thread_count)  # the default group's threads
+        during = pool.run(_groups_left_behind, False)
+        after = pool.run(_gloo_thread_count)
+    finally:
+        codes = _end(pool)
+    assert during[0] > alone[0] and after == alone  # the call's groups and their threads: gone
+    assert codes == [0, 0]  # the default group's too, when the pool closed
+
+
+def test_a_group_kept_alive_is_reported_when_the_worker_ends():
+    pool = RankPool(2, timeout=60)
+    try:
+        pool.run(_groups_left_behind, True)
+    finally:
+        codes = _end(pool)
+    assert codes == [3, 3]

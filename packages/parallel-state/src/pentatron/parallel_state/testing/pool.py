@@ -138,7 +138,10 @@ def _worker(
             )
     from ..grid import shutdown
 
-    shutdown()  # as the app ends: every group destroyed, no gloo thread left at exit
+    # As the app ends: every group destroyed and no gloo thread left at exit; exit status
+    # 3 if one is (a call kept a group alive, which could abort the interpreter's exit).
+    if not shutdown():
+        sys.exit(3)
 
 
 class RankPool:
