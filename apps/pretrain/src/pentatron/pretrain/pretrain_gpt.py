@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
+import traceback
 from functools import partial
 from typing import Any
 
@@ -21,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 from pentatron.models import GPTModel, get_gpt_layer_local_spec, get_gpt_layer_te_spec
+from pentatron.parallel_state import gloo_threads, shutdown
 
 from .arguments import ArgumentError, parse_args, validate_args
 from .gpt_step import make_forward_step
 from .training import configs
-from .training.loop import Trainer, TrainState
+from .training.loop import NonFiniteLossError, Trainer, TrainState
 from .training.setup import (
     build_iterators,
     initialize,
@@ -192,10 +196,21 @@ def pretrain(
         async_saver=async_saver,
         cuda_graphs=_cuda_graphs(args, chunks, cuda_graph_capture),
     )
+    in_step = False  # every rank leaves train() at the same point: collectives in step
     try:
-        return trainer.train(state)
+        state = trainer.train(state)
+        in_step = True
+        return state
+    except NonFiniteLossError:
+        in_step = True
+        raise
     finally:
         logger.close()
+        if async_saver is not None:
+            # In step: publish a save in flight, join the writer thread, destroy its group.
+            # Else (an error, maybe on this rank alone) nothing collective: the writer thread
+            # ends after its current write and `main` ends the rest.
+            async_saver.close(finish=in_step)
 
 
 def _cuda_graphs(args, chunks, capture):
@@ -264,14 +279,67 @@ def default_logger(args, grid, chunks):
     )
 
 
+# Exit statuses of `main` (torchrun itself exits 1 when a worker exits non-zero).
+EXIT_OK = 0  # train-iters, --exit-interval, --exit-duration-in-mins, SIGTERM/SIGINT
+EXIT_ERROR = 1  # an exception (traceback printed)
+EXIT_BAD_ARGUMENTS = 2  # a flag or a combination of flags, one line, before any group
+EXIT_NON_FINITE = 3  # the loss or a grad went NaN/Inf (--on-nan-loss stop), one line
+# After an error on one rank, destroying a group can wait for a collective the other ranks
+# will never join; past this many seconds the process exits without Python's shutdown.
+ERROR_SHUTDOWN_S = 10.0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run `pretrain`, then end cleanly: every process group destroyed (sub-groups first,
+    then the default group) and no collective thread left running, on every exit path."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args = validate_args(parse_args(argv), world, cuda=torch.cuda.is_available())
     except ArgumentError as e:
         print(f"pentatron-pretrain: error: {e}", file=sys.stderr)
-        return 2
-    state = pretrain(args)
-    if dist.get_rank() == 0:
+        return EXIT_BAD_ARGUMENTS
+    state, code = None, EXIT_OK
+    try:
+        state = pretrain(args)
+    except NonFiniteLossError as e:  # raised on every rank at the same iteration
+        print(f"pentatron-pretrain: error: {e}", file=sys.stderr)
+        code = EXIT_NON_FINITE
+    except BaseException:  # maybe on this rank alone: other ranks may never join its work
+        traceback.print_exc()
+        code = EXIT_ERROR
+    # Outside the except blocks: the traceback (and the frames holding groups) is gone.
+    if code == EXIT_ERROR:
+        _end_after_error()
+        return EXIT_ERROR
+    rank = dist.get_rank()
+    if not shutdown():
+        print(
+            f"pentatron-pretrain: warning: rank {rank}: threads of destroyed process groups "
+            f"are still alive ({', '.join(gloo_threads())}); something still holds a group",
+            file=sys.stderr,
+        )
+    if state is not None and rank == 0:
         print(f"done: {state.iteration} iterations ({state.exit_reason})")
-    return 0
+    return code
+
+
+def _end_after_error() -> None:
+    """The clean end, bounded: after an error on this rank alone, a group's queued
+    collective or the checkpoint writer's may wait for ranks that will never join, and so
+    would Python's own exit (it joins threads). Past ERROR_SHUTDOWN_S the process exits at
+    once, without Python's shutdown (so no thread can run into it either)."""
+    deadline = time.monotonic() + ERROR_SHUTDOWN_S
+    clean = shutdown(timeout=ERROR_SHUTDOWN_S)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            clean = clean and not thread.is_alive()
+    if not clean:
+        print(
+            f"pentatron-pretrain: process groups or threads still busy after "
+            f"{ERROR_SHUTDOWN_S:.0f} s (work other ranks will not join); exiting now",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_ERROR)

@@ -6,10 +6,13 @@ so later optimizer steps cannot leak into it. Publishing is the same as a synchr
 (rename `iter_N.tmp` -> `iter_N`, then the latest file) and happens only once every rank's
 write has finished, so a crash at any point leaves the previous latest checkpoint intact.
 
-Why a dedicated gloo group ("async-checkpoint", on the grid's host backend): DCP's planning and metadata exchange run collectives from the
-writer thread, and two threads issuing collectives on one group would interleave them. The
-group is created once (collectively) by `AsyncSaver()`; at most one save is in flight (a new
-save, the end of training, or `finalize(blocking=True)` waits for the previous one).
+Why a dedicated gloo group ("async-checkpoint", on the grid's host backend): DCP's planning
+and metadata exchange run collectives from the writer thread, and two threads issuing
+collectives on one group would interleave them. The group and the writer thread (one,
+named "pentatron-async-save", running `dcp.save`) are created once by `AsyncSaver()`
+(collectively) and ended by `close()`, which joins the thread and destroys the group; at
+most one save is in flight (a new save, the end of training, or `finalize(blocking=True)`
+waits for the previous one).
 
 Whether every rank has finished is agreed with the exit flags the loop already all-reduces
 each iteration (`pending()`), so an in-flight save costs no extra collective.
@@ -17,7 +20,7 @@ each iteration (`pending()`), so an in-flight save costs no extra collective.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,22 +50,6 @@ def stage(state_dict: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _Staged:
-    """DCP AsyncStager for a state dict `stage()` already copied (DCP's own stager would
-    not look inside GlobalChunks)."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @dataclass
 class _Pending:
     future: Future
@@ -71,7 +58,7 @@ class _Pending:
 
 
 class AsyncSaver:
-    """Collective: owns the writer-thread group and the save in flight (if any)."""
+    """Collective: owns the writer thread, its group and the save in flight (if any)."""
 
     def __init__(self, grid: ProcessGrid | None = None) -> None:
         backend = grid.device_choice.host_backend if grid is not None else "gloo"
@@ -80,17 +67,21 @@ class AsyncSaver:
         # Barriers of the training thread: the grid's host group (the world without a grid).
         self.host_group = grid.host_group if grid is not None else None
         self.in_flight: _Pending | None = None
+        # What dcp.async_save does (one thread running dcp.save on the staged copy), with
+        # a thread we own and join in close(); DCP's own stager would not look inside
+        # GlobalChunks, which stage() copies.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pentatron-async-save")
 
     def start(self, state_dict: dict[str, Any], tmp: str, iteration: int, publish: Any) -> None:
         """Stage `state_dict` and start writing it into `tmp`; `publish` runs on rank 0
         after every rank finished (see `finalize`)."""
         self.finalize(blocking=True)
-        future = dcp.async_save(
+        future = self._writer.submit(
+            dcp.save,
             stage(state_dict),
             storage_writer=FileSystemWriter(tmp),
             planner=ChunkSavePlanner(),
             process_group=self.group,
-            async_stager=_Staged(),
         )
         self.in_flight = _Pending(future, iteration, publish)
 
@@ -113,3 +104,22 @@ class AsyncSaver:
             pending.publish()
         comm.barrier(self.host_group)
         return pending.iteration
+
+    def close(self, finish: bool = True) -> None:
+        """Publish the save in flight (collective, as `finalize(blocking=True)`), join the
+        writer thread and destroy the writer's group. Idempotent.
+
+        `finish=False` (after an error that other ranks may not share): nothing collective
+        and no wait; the save in flight is not published and the thread ends after it.
+        The group stays registered by name, for `parallel_state.shutdown`."""
+        if self.group is None:
+            return
+        if not finish:
+            self.in_flight = None
+            self._writer.shutdown(wait=False, cancel_futures=True)
+            return
+        self.finalize(blocking=True)
+        self._writer.shutdown(wait=True)
+        group, self.group = self.group, None
+        comm.forget_group(group)
+        dist.destroy_process_group(group)

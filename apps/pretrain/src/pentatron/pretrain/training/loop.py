@@ -6,7 +6,8 @@ them to every worker); the last three save a checkpoint first when --save is set
 Inf loss stops the run before the optimizer step (the last checkpoint stays intact) or, with
 --on-nan-loss skip, skips that step on every rank. With --async-save a background write is
 published at the first iteration end where every rank has finished it, and at the latest
-before `train` returns.
+before `train` returns (or raises NonFiniteLossError: the save before the bad step is good).
+Nothing started by the loop is still running when `train` returns.
 """
 
 from __future__ import annotations
@@ -169,8 +170,19 @@ class Trainer:
                 state.exit_reason = "train-iters"
             if self.save and saved_at != state.iteration:
                 self.save(state)
-            if self.async_saver is not None:
-                self.async_saver.finalize(blocking=True)
+        except NonFiniteLossError:
+            self._finish_async_work()  # every rank stopped here: the collectives are in step
+            raise
         finally:
             catcher.restore()
+        self._finish_async_work()
         return state
+
+    def _finish_async_work(self) -> None:
+        """Wait for what is still running when the loop ends: the params' all-gathers the
+        last optimizer step started (--overlap-param-gather) and the background save (its
+        checkpoint is published). Collective."""
+        for chunk in self.chunks:
+            chunk.finish_param_sync()
+        if self.async_saver is not None:
+            self.async_saver.finalize(blocking=True)
