@@ -23,15 +23,16 @@ def _norm_params(config: TransformerConfig, size: int) -> int:
 
 
 def num_parameters_per_layer(config: TransformerConfig) -> int:
-    h, d = config.hidden_size, config.kv_channels
+    h, d, ffn = config.hidden_size, config.kv_channels, config.ffn_hidden_size
+    assert d is not None and ffn is not None, "TransformerConfig.__post_init__ fills them in"
     qkv_out = config.query_projection_size + 2 * config.kv_projection_size
-    fc1_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+    fc1_out = ffn * (2 if config.gated_linear_unit else 1)
     bias = config.add_bias_linear
     attn = h * qkv_out + (qkv_out if bias or config.add_qkv_bias else 0)
     attn += config.query_projection_size * h + (h if bias else 0)
     if config.qk_layernorm:
         attn += 2 * _norm_params(config, d)
-    mlp = h * fc1_out + config.ffn_hidden_size * h + ((fc1_out + h) if bias else 0)
+    mlp = h * fc1_out + ffn * h + ((fc1_out + h) if bias else 0)
     return attn + mlp + 2 * _norm_params(config, h)
 
 
@@ -65,10 +66,11 @@ def num_floating_point_operations(
 ) -> float:
     """FLOPs of one training step (forward + backward) on `batch_size` sequences."""
     h, L, s = config.hidden_size, config.num_layers, seq_length
-    nq, ng = config.num_attention_heads, config.num_query_groups
+    nq, ng, ffn = config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
+    assert ng is not None and ffn is not None, "TransformerConfig.__post_init__ fills them in"
     gated = 1.5 if config.gated_linear_unit else 1.0
     attention = (1 + ng / nq + s / h) * (config.query_projection_size / h)
-    mlp = (config.ffn_hidden_size / h) * gated
+    mlp = (ffn / h) * gated
     logits = padded_vocab_size / (2 * L * h)
     return 12 * batch_size * s * L * h * h * (attention + mlp + logits)
 

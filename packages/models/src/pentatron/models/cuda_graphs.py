@@ -31,9 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from .transformer_block import TransformerBlock
 
 Capture = Callable[[Callable[[], Any], Any], tuple[Any, Any]]  # (fn, pool) -> (graph, out)
 
@@ -119,9 +122,11 @@ class LayerRunner:
         return self._live_out
 
     def _backward(self) -> tuple[torch.Tensor | None, ...]:
-        hidden = self.static_in[0]
+        hidden, out = self.static_in[0], self._live_out
+        assert hidden is not None, "record() always stores the hidden input first"
+        assert out is not None, "a runner's backward always follows its forward"
         inputs = ([hidden] if hidden.requires_grad else []) + self.params
-        grads = torch.autograd.grad(self._live_out, inputs, self.static_grad_out, allow_unused=True)
+        grads = torch.autograd.grad(out, inputs, self.static_grad_out, allow_unused=True)
         self._live_out = None
         return ((None,) if not hidden.requires_grad else ()) + tuple(grads)
 
@@ -144,6 +149,7 @@ class LayerRunner:
         self.fwd_graph, self.static_out = capture(self._forward, pool)
 
     def capture_backward(self, capture: Capture, pool: Any) -> None:
+        assert self.static_out is not None, "the recorded order captures forward before backward"
         self.static_grad_out = torch.zeros_like(self.static_out)
         self.bwd_graph, self.static_grads = capture(self._backward, pool)
 
@@ -155,7 +161,7 @@ class LayerRunner:
                     f"{self.name}: an input was {'given' if new is not None else 'missing'} "
                     "that the captured step did not have"
                 )
-            if static is not None:
+            if static is not None and new is not None:  # both or neither (checked above)
                 if static.shape != new.shape:
                     raise CudaGraphError(
                         f"{self.name}: input shape {tuple(new.shape)} differs from the "
@@ -172,9 +178,11 @@ class _Replay(torch.autograd.Function):
         ctx.runner = runner
         runner.fwd_graph.replay()
         runner.in_flight = True
+        out = runner.static_out
+        assert out is not None, "only captured runners are replayed"
         # The last layer's output leaves the graphed region (final norm, p2p send and its
         # pseudo-free): hand out a copy so nothing outside can touch the static buffer.
-        return runner.static_out.clone() if last else runner.static_out.detach()
+        return out.clone() if last else out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -228,7 +236,7 @@ class LayerCudaGraphs:
         for c, chunk in enumerate(chunks):
             model = chunk
             while hasattr(model, "module"):
-                model = model.module
+                model = cast(torch.nn.Module, model.module)  # a DDP / FSDP wrapper
             block = getattr(model, "decoder", None)
             if block is None:
                 raise TypeError(f"chunk {c} has no TransformerBlock `decoder` to graph")
@@ -275,7 +283,7 @@ class LayerCudaGraphs:
 
     # --- the layer call -----------------------------------------------------------------
     def __call__(
-        self, block: torch.nn.Module, index: int, hidden: torch.Tensor, mask: Any, rotary: Any
+        self, block: TransformerBlock, index: int, hidden: torch.Tensor, mask: Any, rotary: Any
     ) -> torch.Tensor:
         """Run layer `index` of `block` on `hidden` (eagerly, recorded, or replayed)."""
         layer = block.layers[index]
@@ -292,16 +300,16 @@ class LayerCudaGraphs:
             self.order.append(("fwd", runner))
             out = layer(hidden, mask, rotary)
             return _RecordBackward.apply(self, runner, out)
-        runner = self.runners.get((chunk, index, k))
-        if runner is None:
+        captured = self.runners.get((chunk, index, k))
+        if captured is None:
             raise CudaGraphError(
                 f"{name} has no captured graph: this step runs more micro-batches than the "
                 "captured one (CUDA graphs need a fixed number of micro-batches per step)"
             )
         _run_forward_pre_hooks(layer, hidden)
-        runner.load_inputs(hidden, others)
+        captured.load_inputs(hidden, others)
         last = index == len(block.layers) - 1
-        return _Replay.apply(runner, last, hidden, *others, *runner.params)
+        return _Replay.apply(captured, last, hidden, *others, *captured.params)
 
 
 def _run_forward_pre_hooks(layer: torch.nn.Module, hidden: torch.Tensor) -> None:

@@ -73,12 +73,13 @@ def hf_to_pentatron(
 ) -> None:
     hf_config = read_json(Path(hf_dir) / "config.json")
     moe = hf_config.get("model_type") in MOE_MODEL_TYPES
+    overrides: dict[str, Any] = {"sequence_parallel": True} if moe and tp > 1 else {}
     config, vocab, max_seq, extras = config_from_hf(
         hf_config,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
-        **({"sequence_parallel": True} if moe and tp > 1 else {}),
+        **overrides,
     )
     meta = {
         **config_to_json(config),

@@ -272,6 +272,7 @@ def config_to_hf_dict(
     rope: dict[str, Any] = {"rope_type": "default"}
     if config.rope_scaling is not None:
         sc = config.rope_scaling
+        assert isinstance(sc, RopeScaling), "TransformerConfig.__post_init__ turns a dict into one"
         rope = {
             "rope_type": "llama3",
             "factor": sc.factor,

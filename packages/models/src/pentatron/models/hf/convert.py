@@ -301,20 +301,29 @@ def _gather_pipeline(mine: dict[str, torch.Tensor], grid: ProcessGrid) -> dict[s
             torch.tensor([len(items)]) if sending else None, src, group, torch.int64, (1,)
         )
         for i in range(int(count)):
+            # name, t, raw and meta are set exactly on the sending stage
             name, t = items[i] if sending else (None, None)
-            raw = torch.tensor(list(name.encode())) if sending else None
+            raw = torch.tensor(list(name.encode())) if name is not None else None
             n = _broadcast_tensor(
-                torch.tensor([raw.numel()]) if sending else None, src, group, torch.int64, (1,)
+                torch.tensor([raw.numel()]) if raw is not None else None,
+                src,
+                group,
+                torch.int64,
+                (1,),
             )
             raw = _broadcast_tensor(
-                raw.to(torch.uint8) if sending else None, src, group, torch.uint8, (int(n),)
+                raw.to(torch.uint8) if raw is not None else None, src, group, torch.uint8, (int(n),)
             )
-            meta = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape]) if sending else None
-            head = _broadcast_tensor(meta[:2] if sending else None, src, group, torch.int64, (2,))
+            meta = (
+                torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape]) if t is not None else None
+            )
+            head = _broadcast_tensor(
+                meta[:2] if meta is not None else None, src, group, torch.int64, (2,)
+            )
             dtype, ndim = _DTYPES[int(head[0])], int(head[1])
             shape = _broadcast_tensor(
-                meta[2:] if sending else None, src, group, torch.int64, (ndim,)
+                meta[2:] if meta is not None else None, src, group, torch.int64, (ndim,)
             )
             data = _broadcast_tensor(t, src, group, dtype, tuple(int(d) for d in shape))
-            out[bytes(raw.tolist()).decode()] = data if not sending else t
+            out[bytes(raw.tolist()).decode()] = t if t is not None else data
     return out

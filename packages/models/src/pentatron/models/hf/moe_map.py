@@ -93,11 +93,9 @@ def moe_hf_names(suffix: str, arch: str, layer: int, config: TransformerConfig, 
         if layout == FUSED:
             return [expert_keys(arch, layer, FUSED)[which]]
         picks = (0, 1) if which == 0 else (2,)
-        return [
-            expert_keys(arch, layer, PER_EXPERT, e)[p]
-            for e in range(config.num_moe_experts)
-            for p in picks
-        ]
+        experts = config.num_moe_experts
+        assert experts is not None, "expert parameters exist only when num_moe_experts is set"
+        return [expert_keys(arch, layer, PER_EXPERT, e)[p] for e in range(experts) for p in picks]
     if arch == "qwen2_moe":
         if suffix == "shared_experts.linear_fc1.weight":
             return [pre + _SHARED + "gate_proj.weight", pre + _SHARED + "up_proj.weight"]
@@ -141,7 +139,9 @@ def read_moe_shard(
     layout = detect_layout(src.keys(), arch, layer)  # Mixtral's router name depends on it too
     hf = moe_hf_names(suffix, arch, layer, config, layout)
     if suffix.startswith("experts."):
-        e0, e1 = _part(config.num_moe_experts, ep_rank, ep_size, "num_moe_experts")
+        experts = config.num_moe_experts
+        assert experts is not None, "expert parameters exist only when num_moe_experts is set"
+        e0, e1 = _part(experts, ep_rank, ep_size, "num_moe_experts")
         f = config.moe_ffn_size
         c0, c1 = _part(f, etp_rank, etp_size, "moe_ffn_hidden_size")
         fc1 = "linear_fc1" in suffix
@@ -160,9 +160,9 @@ def read_moe_shard(
                 per.append(src.read(down, 1, c0, c1))
         return torch.stack(per, 0)
     if suffix.startswith("shared_experts.linear_fc"):
-        s0, s1 = _part(
-            config.moe_shared_expert_intermediate_size, tp_rank, tp_size, "shared expert size"
-        )
+        shared = config.moe_shared_expert_intermediate_size
+        assert shared is not None, "shared experts exist only when their size is set"
+        s0, s1 = _part(shared, tp_rank, tp_size, "shared expert size")
         if "linear_fc1" in suffix:
             return torch.cat([src.read(hf[0], 0, s0, s1), src.read(hf[1], 0, s0, s1)], 0)
         return src.read(hf[0], 1, s0, s1)

@@ -177,7 +177,7 @@ def read_shard(
     m = _LAYER.match(name)
     suffix = m.group(2) if m else name
     moe = _moe_suffix(suffix) if m else None
-    if moe is not None:
+    if m is not None and moe is not None:
         return read_moe_shard(
             moe,
             int(m.group(1)),
@@ -199,8 +199,10 @@ def read_shard(
             rows = torch.cat([rows, pad], 0)
         return rows
     if suffix.startswith("self_attention.linear_qkv."):
-        d, qpg = config.kv_channels, config.num_attention_heads // config.num_query_groups
-        g0, g1 = _part(config.num_query_groups, tp_rank, tp_size, "num_query_groups")
+        d, ng = config.kv_channels, config.num_query_groups
+        assert d is not None and ng is not None, "TransformerConfig.__post_init__ fills them in"
+        qpg = config.num_attention_heads // ng
+        g0, g1 = _part(ng, tp_rank, tp_size, "num_query_groups")
         n = g1 - g0
         q = src.read(hf[0], 0, g0 * qpg * d, g1 * qpg * d)
         k = src.read(hf[1], 0, g0 * d, g1 * d)
@@ -211,12 +213,15 @@ def read_shard(
         )
         return fused.reshape(n * (qpg + 2) * d, *rest)
     if suffix.startswith("mlp.linear_fc1."):
-        start, stop = _part(config.ffn_hidden_size, tp_rank, tp_size, "ffn_hidden_size")
+        ffn = config.ffn_hidden_size
+        assert ffn is not None, "TransformerConfig.__post_init__ fills it in"
+        start, stop = _part(ffn, tp_rank, tp_size, "ffn_hidden_size")
         return torch.cat([src.read(h, 0, start, stop) for h in hf], 0)
     if suffix in _ROW_PARALLEL:
         if tp_size == 1:
             return src.read(hf[0])
         cols = config.query_projection_size if "linear_proj" in suffix else config.ffn_hidden_size
+        assert cols is not None, "TransformerConfig.__post_init__ fills ffn_hidden_size in"
         start, stop = _part(cols, tp_rank, tp_size, f"{hf[0]} columns")
         return src.read(hf[0], 1, start, stop)
     return src.read(hf[0])
@@ -238,8 +243,9 @@ def full_to_hf(
     """
     layout = expert_layout or default_expert_layout()
     out: dict[str, torch.Tensor] = {}
-    d, qpg = config.kv_channels, config.num_attention_heads // config.num_query_groups
-    ng = config.num_query_groups
+    d, ng = config.kv_channels, config.num_query_groups
+    assert d is not None and ng is not None, "TransformerConfig.__post_init__ fills them in"
+    qpg = config.num_attention_heads // ng
     for name, t in full.items():
         if name == "embedding.word_embeddings.weight":
             out[EMBED] = t[:vocab_size]
@@ -252,7 +258,7 @@ def full_to_hf(
         m = _LAYER.match(name)
         suffix = m.group(2) if m else name
         moe = _moe_suffix(suffix) if m else None
-        if moe is not None:
+        if m is not None and moe is not None:
             out.update(moe_full_to_hf(moe, int(m.group(1)), t, config, layout))
             continue
         hf = hf_names_for(name, config)
