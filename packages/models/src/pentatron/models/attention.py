@@ -60,8 +60,10 @@ class DotProductAttention(torch.nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.cp_group = cp_group
-        self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
-        self.scale = 1.0 / (config.kv_channels**0.5)
+        d, groups = config.kv_channels, config.num_query_groups
+        assert d is not None and groups is not None, "TransformerConfig.__post_init__ fills them"
+        self.groups_per_rank = divide(groups, tp_size, "num_query_groups")
+        self.scale = 1.0 / (d**0.5)
 
     def set_cp_group(self, group: Any) -> None:
         """The process group of the cp ranks (used when context_parallel_size > 1)."""
@@ -110,10 +112,11 @@ class SelfAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        d, sp = config.kv_channels, config.sequence_parallel
+        d, groups, sp = config.kv_channels, config.num_query_groups, config.sequence_parallel
+        assert d is not None and groups is not None, "TransformerConfig.__post_init__ fills them"
         self.d = d
-        self.groups_per_rank = divide(config.num_query_groups, tp_size, "num_query_groups")
-        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        self.groups_per_rank = divide(groups, tp_size, "num_query_groups")
+        self.q_per_group = config.num_attention_heads // groups
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
         self.linear_qkv = build_linear(
             submodules.linear_qkv,

@@ -206,6 +206,7 @@ class TransformerConfig:
 
     def _check_attention(self) -> None:
         heads, groups = self.num_attention_heads, self.num_query_groups
+        assert groups is not None, "_fill_defaults sets num_query_groups"
         if heads % groups:
             _fail(
                 "num_query_groups",
@@ -218,6 +219,8 @@ class TransformerConfig:
     def _check_tensor_parallel(self) -> None:
         t = self.tensor_model_parallel_size
         _positive_int("tensor_model_parallel_size", t)
+        assert self.num_query_groups is not None, "_fill_defaults sets num_query_groups"
+        assert self.ffn_hidden_size is not None, "_fill_defaults sets ffn_hidden_size"
         rules = (
             ("num_attention_heads", self.num_attention_heads, "attention heads are split"),
             (
@@ -276,6 +279,7 @@ class TransformerConfig:
                     "set recompute_method='uniform' (groups of n layers) or 'block' (first n)",
                 )
             _positive_int("recompute_num_layers", n)
+            assert n is not None, "_positive_int raised on None"
             if n > self.num_layers:
                 _fail(
                     "recompute_num_layers",
@@ -382,14 +386,18 @@ class TransformerConfig:
     @property
     def rotary_dim(self) -> int:
         """Head dims rotated by RoPE: int(kv_channels * rotary_percent)."""
+        assert self.kv_channels is not None, "__post_init__ sets kv_channels"
         return int(self.kv_channels * self.rotary_percent)
 
     @property
     def query_projection_size(self) -> int:
+        assert self.kv_channels is not None, "__post_init__ sets kv_channels"
         return self.kv_channels * self.num_attention_heads
 
     @property
     def kv_projection_size(self) -> int:
+        assert self.kv_channels is not None, "__post_init__ sets kv_channels"
+        assert self.num_query_groups is not None, "__post_init__ sets num_query_groups"
         return self.kv_channels * self.num_query_groups
 
     @property
@@ -406,6 +414,7 @@ class TransformerConfig:
     @property
     def moe_ffn_size(self) -> int:
         """Hidden units of one routed expert (moe_ffn_hidden_size, else ffn_hidden_size)."""
+        assert self.ffn_hidden_size is not None, "__post_init__ sets ffn_hidden_size"
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def moe_layer_pattern(self) -> list[bool]:

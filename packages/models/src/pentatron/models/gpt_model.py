@@ -131,7 +131,8 @@ class GPTModel(torch.nn.Module):
 
     def _set_cp_group(self, group: Any) -> None:
         """Hand the cp group to every core attention (the layer specs do not carry it)."""
-        attentions = [m for m in self.decoder.modules() if hasattr(m, "set_cp_group")]
+        # any module with set_cp_group (duck-typed: a spec may bring its own attention)
+        attentions: list[Any] = [m for m in self.decoder.modules() if hasattr(m, "set_cp_group")]
         for module in attentions:
             module.set_cp_group(group)
         if self.decoder.layers and not attentions:
@@ -162,7 +163,9 @@ class GPTModel(torch.nn.Module):
         if self.pre_process != self.post_process:
             group = self.parallel.embedding_group()
             if group is not None:
-                comm.all_reduce(self.shared_embedding_or_output_weight().data, group=group)
+                tied = self.shared_embedding_or_output_weight()
+                assert tied is not None, "pre_process != post_process: this stage holds one"
+                comm.all_reduce(tied.data, group=group)
 
     # --- pipeline interface --------------------------------------------------------------------
     def set_input_tensor(self, input_tensor: Any) -> None:

@@ -40,6 +40,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.config = config
         gated = config.gated_linear_unit
+        assert config.ffn_hidden_size is not None, "TransformerConfig.__post_init__ sets it"
         fc1_out = config.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = build_linear(
             submodules.linear_fc1,

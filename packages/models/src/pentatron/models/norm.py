@@ -56,5 +56,5 @@ def Norm(
     norm = cls(hidden_size, config.layernorm_epsilon if eps is None else eps, config.params_dtype)
     sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
     for p in norm.parameters():
-        p.sequence_parallel = bool(sp)
+        p.sequence_parallel = bool(sp)  # type: ignore[attr-defined]  # a Parameter tag
     return norm

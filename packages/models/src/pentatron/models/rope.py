@@ -37,10 +37,14 @@ def llama3_scale(inv_freq: torch.Tensor, sc: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Produces `(cos, sin)` for given positions; holds no parameters (not in state dicts)."""
 
+    inv_freq: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.dim = config.rotary_dim
-        inv = rope_inv_freq(self.dim, config.rotary_base, config.rope_scaling)
+        scaling = config.rope_scaling
+        assert not isinstance(scaling, dict), "TransformerConfig.__post_init__ makes it RopeScaling"
+        inv = rope_inv_freq(self.dim, config.rotary_base, scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(

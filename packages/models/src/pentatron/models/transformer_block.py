@@ -132,6 +132,7 @@ class TransformerBlock(torch.nn.Module):
 
     def _checkpointed_forward(self, hidden, mask, cos, sin) -> torch.Tensor:
         n, k = len(self.layers), self.config.recompute_num_layers
+        assert k is not None, "recompute_granularity='full' requires recompute_num_layers"
         if self.config.recompute_method == "uniform":
             for start in range(0, n, k):
                 end = min(start + k, n)

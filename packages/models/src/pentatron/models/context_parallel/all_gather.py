@@ -62,6 +62,7 @@ class AllGatherAttention(torch.autograd.Function):
         for j in _order(cp_rank, kv.size(0)):
             case = pair_case(j, cp_rank)
             out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse)
+        assert out is not None, "_order yields at least the own rank's pair"
         ctx.save_for_backward(q, k, v, out, lse)  # all [s/cp]: not the gathered kv
         ctx.scale, ctx.group, ctx.cp_rank = scale, group, cp_rank
         return out.to(q.dtype)

@@ -9,7 +9,7 @@ state: `collect_moe_aux_losses` walks the model chunks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -42,17 +42,24 @@ class AuxLossRecord:
         self.counts.clear()
 
 
-def _routers(model_chunks: Any) -> list[torch.nn.Module]:
+class _Router(Protocol):
+    """What the walk reads of a router (TopKRouter): found by its `aux_loss_record`."""
+
+    layer_number: int
+    weight: torch.Tensor
+    aux_loss_record: AuxLossRecord
+
+
+def _is_router(module: torch.nn.Module) -> TypeGuard[_Router]:
+    return isinstance(getattr(module, "aux_loss_record", None), AuxLossRecord)
+
+
+def _routers(model_chunks: Any) -> list[_Router]:
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    return [
-        m
-        for chunk in chunks
-        for m in chunk.modules()
-        if isinstance(getattr(m, "aux_loss_record", None), AuxLossRecord)
-    ]
+    return [m for chunk in chunks for m in chunk.modules() if _is_router(m)]
 
 
-def _num_layers(model_chunks: Any, routers: list[torch.nn.Module]) -> int:
+def _num_layers(model_chunks: Any, routers: list[_Router]) -> int:
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     for owner in [*routers, *chunks]:
         config = getattr(owner, "config", None)
@@ -111,7 +118,7 @@ def collect_moe_aux_losses(
     return {name: values[n] for n, name in enumerate(AUX_LOSS_NAMES) if present[n].any()}
 
 
-def _comm_device(routers: list[torch.nn.Module]) -> torch.device:
+def _comm_device(routers: list[_Router]) -> torch.device:
     """The routers' device, else (a stage without routers) the grid's: collectives run there."""
     for router in routers:
         return router.weight.device

@@ -15,22 +15,34 @@ The counts are the assignments kept after capacity dropping, without padding slo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
 from pentatron.parallel_state import comm
 
+if TYPE_CHECKING:
+    from ..config import TransformerConfig
 
-def _bias_routers(model_chunks: Any) -> list[torch.nn.Module]:
+
+class _BiasRouter(Protocol):
+    """A router (TopKRouter) built with `moe_router_enable_expert_bias`: both buffers set."""
+
+    config: TransformerConfig
+    expert_bias: torch.Tensor
+    local_tokens_per_expert: torch.Tensor
+
+
+def _has_expert_bias(module: torch.nn.Module) -> TypeGuard[_BiasRouter]:
+    return (
+        getattr(module, "expert_bias", None) is not None
+        and getattr(module, "local_tokens_per_expert", None) is not None
+    )
+
+
+def _bias_routers(model_chunks: Any) -> list[_BiasRouter]:
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    return [
-        m
-        for chunk in chunks
-        for m in chunk.modules()
-        if getattr(m, "expert_bias", None) is not None
-        and getattr(m, "local_tokens_per_expert", None) is not None
-    ]
+    return [m for chunk in chunks for m in chunk.modules() if _has_expert_bias(m)]
 
 
 @torch.no_grad()

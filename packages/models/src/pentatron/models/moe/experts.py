@@ -45,7 +45,7 @@ class ExpertLinear(torch.nn.Module):
             else None
         )
         for p in self.parameters():
-            p.allreduce = False
+            p.allreduce = False  # type: ignore[attr-defined]  # a Parameter tag
 
 
 def _init_stacked(weight, full_shape, init_method, ep_rank, etp_rank, etp, dim, stride) -> None:
@@ -84,7 +84,9 @@ class SequentialMLP(torch.nn.Module):
         self.linear_fc2 = ExpertLinear(num_local_experts, h, ffn // etp_size, bias, dtype)
         if bias and etp_size > 1:
             # Only etp rank 0 adds fc2's bias: its grad is all-reduced over etp (sync_grads).
-            self.linear_fc2.bias.expert_tp_partial = True
+            fc2_bias = self.linear_fc2.bias
+            assert fc2_bias is not None, "ExpertLinear(bias=True) holds a bias"
+            fc2_bias.expert_tp_partial = True  # type: ignore[attr-defined]  # a Parameter tag
         if init_method is not None:
             _init_stacked(
                 self.linear_fc1.weight,

@@ -76,7 +76,7 @@ class MoELayer(torch.nn.Module):
             init_method=init_method,
             output_layer_init_method=output_layer_init_method,
         )
-        self.shared_experts = None
+        self.shared_experts: torch.nn.Module | None = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = build_module(
                 sub.shared_experts or SharedExpertMLP,
@@ -119,6 +119,7 @@ class MoELayer(torch.nn.Module):
 
     def _finish_shared(self, hidden: torch.Tensor, shared: Any, stream: Any) -> torch.Tensor:
         if stream is None:
+            assert self.shared_experts is not None, "called only with shared experts"
             return self.shared_experts(hidden)
         torch.cuda.current_stream(hidden.device).wait_stream(stream)
         shared.record_stream(torch.cuda.current_stream(hidden.device))

@@ -96,6 +96,11 @@ def unpermute(
             "the rows permute produced; fix: pass permute's indices"
         )
     if probs is not None:
+        if routing_map is None:
+            raise ValueError(
+                "unpermute got probs without routing_map; the rule: the weights of the "
+                "permuted rows need both; fix: pass the router's routing_map with its probs"
+            )
         weights = permuted_probs(probs, routing_map, indices, capacity)
         permuted = permuted * weights.unsqueeze(-1).to(permuted.dtype)
     out = permuted.new_zeros((num_tokens, permuted.size(-1)))

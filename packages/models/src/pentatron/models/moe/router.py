@@ -69,9 +69,9 @@ def topk_routing(
 
     def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if config.moe_router_group_topk:
-            return group_limited_topk(
-                scores, topk, config.moe_router_num_groups, config.moe_router_group_topk
-            )
+            num_groups = config.moe_router_num_groups
+            assert num_groups is not None, "check_moe: group_topk needs num_groups"
+            return group_limited_topk(scores, topk, num_groups, config.moe_router_group_topk)
         return torch.topk(scores, k=topk, dim=-1)
 
     if config.moe_router_score_function == "softmax":
@@ -133,13 +133,14 @@ class TopKRouter(torch.nn.Module):
         _check_router_config(config)
         self.config, self.layer_number, self.tp_cp_group = config, layer_number, tp_cp_group
         experts, hidden = config.num_moe_experts, config.hidden_size
+        assert experts is not None, "_check_router_config raised on num_moe_experts=None"
         device = current_device()
         self.weight = torch.nn.Parameter(
             torch.empty(experts, hidden, dtype=config.params_dtype, device=device)
         )
         with torch.no_grad():
             self.weight.normal_(0.0, config.init_method_std)
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # a Parameter tag
         if config.moe_router_enable_expert_bias:
             self.register_buffer(
                 "expert_bias", torch.zeros(experts, dtype=torch.float32, device=device)
