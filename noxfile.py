@@ -5,14 +5,20 @@
     nox -s lint typecheck
     nox -s standalone               # every member's wheel installed alone in a fresh venv
     nox -s "examples(tp-layers)"    # a member's examples/ run under torchrun, wheel alone
+    nox                             # what CI runs: every session, then each one's result and time
 
 Members are discovered from the root [tool.uv.workspace] globs, so a new package gets its
 sessions without editing this file. torch is pinned to the local CPU wheel where the machine
-has one (see tools/workspace.py).
+has one (see tools/workspace.py). With uv installed (the dev group has it) every session's
+venv is made by uv and shares uv's cache, so the torch wheel is unpacked once per machine.
+The members' wheels are built once per nox run and shared by the standalone and examples
+sessions.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import re
 import shutil
@@ -30,7 +36,8 @@ if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "tests"]
+# `nox` alone runs what CI runs (the README's test command names them).
+nox.options.sessions = ["lint", "typecheck", "tests", "standalone", "examples"]
 
 MEMBERS = workspace.members()
 FOLDERS = [m.folder for m in MEMBERS.values()]
@@ -41,6 +48,41 @@ PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
 
 def install_torch(session: nox.Session) -> None:
     session.install(workspace.torch_requirement())
+
+
+_BUILT: set[str] = set()  # folders of the members whose wheels this nox run has built
+
+
+@functools.cache
+def _wheel_dir() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="pentatron-wheels-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def member_wheels(session: nox.Session, members: list[workspace.Member]) -> Path:
+    """Build these members' wheels (each once per nox run) and return the folder holding them.
+
+    Built with the dev group's uv, outside any session venv, into one temporary folder per
+    run: a later run rebuilds from the current sources.
+    """
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    if uv is None:
+        session.error("uv builds the wheels: install it (`pip install uv`; the dev group has it)")
+    for m in members:
+        if m.folder not in _BUILT:
+            session.run(
+                uv,
+                "build",
+                "--wheel",
+                "--out-dir",
+                str(_wheel_dir()),
+                str(m.path),
+                silent=True,
+                external=True,
+            )
+            _BUILT.add(m.folder)
+    return _wheel_dir()
 
 
 @nox.session
@@ -74,18 +116,14 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("member", FOLDERS, ids=FOLDERS)
 def standalone(session: nox.Session, member: str) -> None:
-    """Build every wheel, install this member's alone (only its declared deps) and test it.
+    """Install this member's wheel alone (only its declared deps) and run its tests.
 
     The tests (and the member's examples/, which some tests run) are copied out of the tree
     and run from a temporary folder, so nothing can be imported from the source checkout by
     accident.
     """
     target = BY_FOLDER[member]
-    dist = Path(session.create_tmp()) / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
-    session.install("uv")
-    for m in MEMBERS.values():
-        session.run("uv", "build", "--wheel", "--out-dir", str(dist), str(m.path), silent=True)
+    dist = member_wheels(session, [*target.workspace_deps(MEMBERS), target])
     install_torch(session)
     session.install("--find-links", str(dist), f"{target.name}[test]")
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,11 +158,7 @@ def examples(session: nox.Session, member: str) -> None:
     own results and exits non-zero when they are wrong.
     """
     target = BY_FOLDER[member]
-    dist = Path(session.create_tmp()) / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
-    session.install("uv")
-    for m in [*target.workspace_deps(MEMBERS), target]:
-        session.run("uv", "build", "--wheel", "--out-dir", str(dist), str(m.path), silent=True)
+    dist = member_wheels(session, [*target.workspace_deps(MEMBERS), target])
     install_torch(session)
     session.install("--find-links", str(dist), target.name)
     with tempfile.TemporaryDirectory() as tmp:
