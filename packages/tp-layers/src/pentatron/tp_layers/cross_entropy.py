@@ -54,12 +54,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if n > 1:
             top = lse.clone()
             _all_reduce(top, group, comm.ReduceOp.MAX)  # exp(lse - top) cannot overflow
-            stats = [predicted, (lse - top).exp()]
+            parts = [predicted, (lse - top).exp()]
         else:
-            top, stats = lse, [predicted]
+            top, parts = lse, [predicted]
         if label_smoothing > 0:
-            stats.append(x.sum(dim=-1))
-        stats = torch.stack(stats)
+            parts.append(x.sum(dim=-1))
+        stats = torch.stack(parts)
         _all_reduce(stats, group, comm.ReduceOp.SUM)  # one small collective for all sums
         log_z = top + stats[1].log() if n > 1 else lse
         loss = log_z - stats[0]

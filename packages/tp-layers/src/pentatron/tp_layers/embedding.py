@@ -22,7 +22,14 @@ from .mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from .utils import TPConfigError, group_rank, group_size, resolve_group, vocab_range
+from .utils import (
+    TPConfigError,
+    group_rank,
+    group_size,
+    resolve_group,
+    set_tensor_model_parallel_attributes,
+    vocab_range,
+)
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
@@ -99,8 +106,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             self.tp_size,
         )
         self.weight = torch.nn.Parameter(weight)
-        self.weight.tensor_model_parallel, self.weight.partition_dim = True, 0
-        self.weight.partition_stride = 1
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids `[b, s]` -> `[b, s, h]`, or `[s/t, b, h]` with `reduce_scatter_embeddings`."""

@@ -20,7 +20,8 @@ from .utils import group_size, resolve_group
 def mark_sequence_parallel(*params: torch.nn.Parameter) -> None:
     """Mark parameters used on the sequence shard (e.g. a LayerNorm's weight and bias)."""
     for p in params:
-        p.sequence_parallel = True
+        # torch stubs lack .sequence_parallel
+        p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
 def sync_sequence_parallel_grads(module: torch.nn.Module, tp_group: Any = None) -> int:
@@ -29,8 +30,8 @@ def sync_sequence_parallel_grads(module: torch.nn.Module, tp_group: Any = None) 
     Uses `main_grad` when a parameter has one. Returns the number of parameters reduced.
     """
     group = resolve_group(tp_group)
-    grads = [_grad_of(p) for p in module.parameters() if getattr(p, "sequence_parallel", False)]
-    grads = [g for g in grads if g is not None]
+    marked = [_grad_of(p) for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in marked if g is not None]
     if not grads or group_size(group) == 1:
         return len(grads)
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -41,4 +42,5 @@ def sync_sequence_parallel_grads(module: torch.nn.Module, tp_group: Any = None) 
 
 
 def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
+    # torch stubs lack DDP's .main_grad
+    return p.main_grad if hasattr(p, "main_grad") else p.grad  # type: ignore[attr-defined]

@@ -111,6 +111,7 @@ def set_tensor_model_parallel_attributes(
     param: torch.Tensor, is_parallel: bool, dim: int, stride: int
 ) -> None:
     """Mark a parameter as a tp shard (read by grad clipping, checkpointing, DDP)."""
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = dim
-    param.partition_stride = stride
+    # Attributes set at runtime on the Parameter: torch stubs lack all three.
+    param.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
+    param.partition_dim = dim  # type: ignore[attr-defined]
+    param.partition_stride = stride  # type: ignore[attr-defined]

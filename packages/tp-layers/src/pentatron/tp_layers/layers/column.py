@@ -114,10 +114,12 @@ class ColumnParallelLinear(torch.nn.Module):
                 dtype,
                 device,
             )
-            self.weight.allreduce = not self.is_expert  # DDP reads this for expert params
+            # DDP reads this for expert params; torch stubs lack .allreduce
+            self.weight.allreduce = not self.is_expert  # type: ignore[attr-defined]
         if bias:
             self.bias = make_bias(self.output_size_per_partition, dtype, device, True, self.stride)
-            self.bias.allreduce = not self.is_expert
+            # torch stubs lack .allreduce
+            self.bias.allreduce = not self.is_expert  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 

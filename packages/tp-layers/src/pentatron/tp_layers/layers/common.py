@@ -9,7 +9,13 @@ import torch
 from pentatron.parallel_state import current_device
 
 from ..init import InitMethod, init_method_normal, init_sharded_
-from ..utils import TPConfigError, group_rank, group_size, resolve_group
+from ..utils import (
+    TPConfigError,
+    group_rank,
+    group_size,
+    resolve_group,
+    set_tensor_model_parallel_attributes,
+)
 
 
 def resolve_layer_group(tp_group: Any, is_expert: bool) -> Any:
@@ -43,11 +49,7 @@ def make_weight(
         weight, full_shape, init_method, partition_dim, group_rank(group), group_size(group), stride
     )
     param = torch.nn.Parameter(weight)
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = (
-        True,
-        partition_dim,
-        stride,
-    )
+    set_tensor_model_parallel_attributes(param, True, partition_dim, stride)
     return param
 
 
@@ -60,7 +62,7 @@ def make_bias(
             size, dtype=dtype or torch.get_default_dtype(), device=device or current_device()
         )
     )
-    bias.tensor_model_parallel, bias.partition_dim, bias.partition_stride = sharded, 0, stride
+    set_tensor_model_parallel_attributes(bias, sharded, 0, stride)
     return bias
 
 

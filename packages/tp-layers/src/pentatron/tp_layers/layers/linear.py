@@ -53,7 +53,8 @@ def _weight_grad(
     operands' dtype on tensor cores, summed in main_grad's fp32: see `wgrad`)."""
     if not fuse:
         return grad_2d.t().matmul(input_2d)
-    accumulate_weight_grad(weight.main_grad, grad_2d, input_2d)
+    # torch stubs lack DDP's .main_grad
+    accumulate_weight_grad(weight.main_grad, grad_2d, input_2d)  # type: ignore[attr-defined]
     if hasattr(weight, "grad_added_to_main_grad"):
         # DDP hooks fire on a non-None grad; tell them it is already in main_grad.
         weight.grad_added_to_main_grad = True

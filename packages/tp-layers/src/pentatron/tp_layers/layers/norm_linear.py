@@ -48,12 +48,15 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         self.layer_norm_weight = torch.nn.Parameter(
             torch.ones(input_size, dtype=dtype, device=device)
         )
-        self.layer_norm_weight.sequence_parallel = self.sequence_parallel
+        sp = self.sequence_parallel
+        # torch stubs lack .sequence_parallel
+        self.layer_norm_weight.sequence_parallel = sp  # type: ignore[attr-defined]
         if normalization == "LayerNorm":
             self.layer_norm_bias = torch.nn.Parameter(
                 torch.zeros(input_size, dtype=dtype, device=device)
             )
-            self.layer_norm_bias.sequence_parallel = self.sequence_parallel
+            # torch stubs lack .sequence_parallel
+            self.layer_norm_bias.sequence_parallel = sp  # type: ignore[attr-defined]
         else:
             self.register_parameter("layer_norm_bias", None)
 

@@ -88,12 +88,15 @@ class RowParallelLinear(torch.nn.Module):
             params_dtype,
             device,
         )
-        self.weight.allreduce = not is_expert
+        # torch stubs lack .allreduce
+        self.weight.allreduce = not is_expert  # type: ignore[attr-defined]
         if bias:
             self.bias = make_bias(output_size, params_dtype, device, sharded=False)
-            self.bias.allreduce = not is_expert
+            # torch stubs lack .allreduce
+            self.bias.allreduce = not is_expert  # type: ignore[attr-defined]
             # Each rank adds the bias to s/t tokens only: its grad is a partial sum over tp.
-            self.bias.sequence_parallel = sequence_parallel
+            # torch stubs lack .sequence_parallel
+            self.bias.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 

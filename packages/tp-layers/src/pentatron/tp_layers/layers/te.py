@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..norms import check_normalization
-from ..utils import TPConfigError, group_size
+from ..utils import TPConfigError, group_size, set_tensor_model_parallel_attributes
 from .column import ColumnParallelLinear
 from .common import default_init, make_weight, resolve_layer_group
 from .norm_linear import LayerNormColumnParallelLinear
@@ -88,8 +88,8 @@ def _check_supported(kind: str, kwargs: dict[str, Any]) -> None:
 
 
 def _mark(param: torch.nn.Parameter, tp: bool, dim: int, stride: int = 1) -> None:
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = tp, dim, stride
-    param.allreduce = True
+    set_tensor_model_parallel_attributes(param, tp, dim, stride)
+    param.allreduce = True  # type: ignore[attr-defined]  # torch stubs lack .allreduce
 
 
 def _te_linear(
@@ -138,11 +138,13 @@ def _te_linear(
             bias.zero_()
         _mark(bias, column, 0, stride if column else 1)
         if not column:
-            bias.sequence_parallel = sp
+            # torch stubs lack .sequence_parallel
+            bias.sequence_parallel = sp  # type: ignore[attr-defined]
     for name in ("layer_norm_weight", "layer_norm_bias"):
         p = getattr(layer, name, None)
         if isinstance(p, torch.nn.Parameter):  # TE marks them only when tp > 1
-            p.sequence_parallel = sp
+            # torch stubs lack .sequence_parallel
+            p.sequence_parallel = sp  # type: ignore[attr-defined]
     return layer
 
 
@@ -150,7 +152,7 @@ def _te_linear(
 def _te_class(fused_norm: bool) -> type:
     """TE's Linear (or LayerNormLinear) with tp-layers' `forward(x) -> (y, bias | None)`
     (made on first use, so nothing imports TE before a TE layer is asked for)."""
-    base = _te().LayerNormLinear if fused_norm else _te().Linear
+    base: Any = _te().LayerNormLinear if fused_norm else _te().Linear
 
     class TEParallelLinear(base):
         # None: TE casts the weight to FP8 at every forward. A schedule call sets True
