@@ -102,6 +102,8 @@ class P2PCommunicator:
         Received tensors are fresh `[s, b, h]` tensors of `pipeline_dtype` with
         requires_grad=True (they are the next stage's autograd inputs).
         """
+        prev_shape: Shape | None
+        next_shape: Shape | None
         if self.config.variable_seq_lengths:
             prev_shape, next_shape = self._exchange_shapes(
                 send_next, send_prev, recv_prev, recv_next
@@ -329,8 +331,8 @@ def _unique(items: Any) -> list[Any]:
     return out
 
 
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
     # Sends read raw memory; a strided view would send the wrong elements.
-    if t is None or t.is_contiguous():
+    if t.is_contiguous():
         return t
     return t.detach().contiguous()

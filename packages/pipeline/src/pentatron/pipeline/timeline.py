@@ -59,11 +59,17 @@ class Timeline:
 
     def ops(self) -> list[Op]:
         """The compute steps in the order this rank ran them."""
-        return [
-            Op("F" if e.kind == "forward" else "B", e.microbatch, e.chunk)
-            for e in self.events
-            if e.kind in COMPUTE_KINDS
-        ]
+        ops = []
+        for e in self.events:
+            if e.kind not in COMPUTE_KINDS:
+                continue
+            if e.microbatch is None or e.chunk is None:
+                raise ValueError(
+                    f"{e.kind} event {e} has no microbatch or chunk; an op needs both "
+                    "(record compute spans with span(kind, microbatch, chunk))"
+                )
+            ops.append(Op("F" if e.kind == "forward" else "B", e.microbatch, e.chunk))
+        return ops
 
 
 class ScheduleDeadlock(RuntimeError):

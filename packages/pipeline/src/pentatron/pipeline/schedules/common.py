@@ -159,7 +159,7 @@ def backward_step(
 
 
 def _set_input_tensor(model: torch.nn.Module, input_tensor: torch.Tensor | None) -> None:
-    target = model
+    target: Any = model  # the chunk, or a wrapper's .module, down to set_input_tensor
     while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
         target = target.module  # DDP-style wrappers
     if not hasattr(target, "set_input_tensor"):
@@ -200,12 +200,13 @@ def weight_cache_window(chunks: list[torch.nn.Module]) -> Iterator[None]:
     """
     modules = [m for c in chunks for m in c.modules() if hasattr(m, "is_first_microbatch")]
     for m in modules:
-        m.is_first_microbatch = True
+        # torch types Module.__getattr__ as Tensor | Module; this attribute is bool | None
+        m.is_first_microbatch = True  # type: ignore[assignment]
     try:
         yield
     finally:
         for m in modules:
-            m.is_first_microbatch = None
+            m.is_first_microbatch = None  # type: ignore[assignment]  # as above
 
 
 def caches_weights_per_call(schedule: Callable[..., Any]) -> Callable[..., Any]:
