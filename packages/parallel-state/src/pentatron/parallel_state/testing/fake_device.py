@@ -58,7 +58,8 @@ def _register_fake_backend() -> None:
         from torch._C._distributed_c10d import FakeProcessGroup
 
         def create(common_opts: Any, backend_opts: Any) -> Any:
-            return FakeProcessGroup._create_internal(
+            # torch's stub lacks the options argument that torch's own fake_pg.py passes
+            return FakeProcessGroup._create_internal(  # type: ignore[call-arg]
                 common_opts.group_rank, common_opts.group_size, backend_opts
             )
 
