@@ -39,7 +39,7 @@ def step_ledger(dist_opt, bucket_size):
     return {
         "ops": [(r.op, r.elements, r.wire_bytes) for r in dp],
         "scalars": scalars,
-        "buckets": [b.numel for b in ddp.buffers[0].buckets],
+        "buckets": [b.numel for b in ddp.dense_buffers[0].buckets],
     }
 
 
@@ -86,7 +86,7 @@ def memory_per_param(dist_opt):
 
     for p in ddp.parameters():
         hold(p.data)
-    for b in ddp.buffers:
+    for b in ddp.dense_buffers:
         hold(b.grad_data)
     big_state = small_state = 0
     for mp in opt.main_params:
@@ -98,7 +98,7 @@ def memory_per_param(dist_opt):
             elif torch.is_tensor(t):
                 small_state += t.untyped_storage().nbytes()
     big_state = sum(storages.values())
-    grad_bytes = sum(b.grad_data.untyped_storage().nbytes() for b in ddp.buffers)
+    grad_bytes = sum(b.grad_data.untyped_storage().nbytes() for b in ddp.dense_buffers)
     return big_state / n, grad_bytes / n, small_state, len(opt.main_params)
 
 
@@ -123,3 +123,22 @@ def test_sharded_layout_pads_params_and_buckets():
     assert lay.bucket_ranges == ((0, 384), (384, 5760), (5760, 6144))
     plain = plan_layout([100, 30, 5000, 7], bucket_size=120, dp_size=3, pad_for_sharding=False)
     assert plain.bucket_ranges == ((0, 130), (130, 5130), (5130, 5137))
+
+
+def module_buffers_and_grad_buffers():
+    grid = initialize_model_parallel(ParallelConfig())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    ddp = DistributedDataParallel(DDPConfig(), model, grid=grid)
+    return (
+        [name for name, _ in ddp.named_buffers()],
+        [tuple(b.shape) for b in ddp.buffers()],  # nn.Module's, not hidden by the grad buffers
+        [b.grad_data.numel() for b in ddp.dense_buffers],
+    )
+
+
+def test_grad_buffers_leave_module_buffers_alone(distributed):
+    names = ["module.1.running_mean", "module.1.running_var", "module.1.num_batches_tracked"]
+    for named, shapes, numels in distributed.run(2, module_buffers_and_grad_buffers):
+        assert named == names
+        assert shapes == [(4,), (4,), ()]
+        assert sum(numels) >= 4 * 4 + 4 + 4 + 4  # Linear weight, bias, BatchNorm weight, bias

@@ -35,7 +35,7 @@ INJECTIONS = [
 
 def _inject(ddp, value):
     """Put `value` into the first grad element this rank will step (its shard if sharded)."""
-    buffer = ddp.buffers[0]
+    buffer = ddp.dense_buffers[0]
     if buffer.sharded:
         buffer.grad_shard(buffer.buckets[0])[0] = value
     else:
@@ -112,7 +112,7 @@ def single_rank_skip_logs():
     grid = initialize_model_parallel(ParallelConfig())
     ddp = DistributedDataParallel(DDPConfig(), torch.nn.Linear(2, 2).half(), grid=grid)
     opt = get_optimizer(OptimizerConfig(fp16=True, initial_loss_scale=4.0), [ddp], grid=grid)
-    ddp.buffers[0].grad_data.fill_(float("inf"))
+    ddp.dense_buffers[0].grad_data.fill_(float("inf"))
     records = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,7 @@ def _offset_in_param(mp: MainParam) -> int:
     param, target = mp.model_param.data, mp.target
     if target.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
         raise RuntimeError("main param target is not a view of its model param's storage")
-    offset = target.storage_offset() - param.storage_offset()
+    offset = int(target.storage_offset() - param.storage_offset())  # int | SymInt to int
     assert offset >= 0 and offset + target.numel() <= param.numel(), (offset, param.shape)
     return offset
 
@@ -281,7 +281,7 @@ def load_optimizer(
         key, numel = f"{prefix}param/{name}", entry.shape.numel()
         sd[f"{key}/main"] = FlatPieces(numel, [(o, mp.main.view(-1)) for o, mp in entry.pieces])
         for k in _state_keys(md, f"{key}/state/"):
-            smd = md[f"{key}/state/{k}"]
+            smd = _tensor_md(md, f"{key}/state/{k}")
             dtype = smd.properties.dtype
             if len(smd.size) == 0:
                 sd.setdefault(f"{key}/state/{k}", torch.zeros((), dtype=dtype))
@@ -295,9 +295,10 @@ def load_optimizer(
     groups = optimizer.optimizer.param_groups
     for i, g in enumerate(groups):
         for k in g:
-            if f"{prefix}group/{i}/{k}" in md and _numeric(g[k]) is not None:
+            value = _numeric(g[k]) if f"{prefix}group/{i}/{k}" in md else None
+            if value is not None:
                 sd[f"{prefix}group/{i}/{k}"] = torch.zeros(
-                    md[f"{prefix}group/{i}/{k}"].size, dtype=_numeric(g[k]).dtype
+                    _tensor_md(md, f"{prefix}group/{i}/{k}").size, dtype=value.dtype
                 )
     scaler_keys = [k for k in md if k.startswith(f"{prefix}grad_scaler/")]
     if optimizer.grad_scaler is not None:
@@ -315,6 +316,17 @@ def load_optimizer(
             {k[len(f"{prefix}grad_scaler/") :]: sd[k].item() for k in scaler_keys}
         )
     _write_main_params_to_model(optimizer)
+
+
+def _tensor_md(md: Mapping[str, Any], key: str) -> TensorStorageMetadata:
+    """The metadata of `key`, a tensor (everything `save_optimizer` writes is one)."""
+    entry = md[key]
+    if not isinstance(entry, TensorStorageMetadata):
+        raise CheckpointMismatchError(
+            f"checkpoint entry {key} holds bytes, not a tensor; fix: load a checkpoint "
+            "written by save_optimizer"
+        )
+    return entry
 
 
 def _state_keys(md: Iterable[str], head: str) -> list[str]:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -87,7 +88,7 @@ class ChunkSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         obj = self.state_dict[write_item.index.fqn]
         if isinstance(obj, GlobalChunks):
-            obj = obj.at(tuple(write_item.index.offset))
+            obj = obj.at(_chunk_offset(write_item.index))
         return obj.detach().contiguous().clone()  # a view would save its whole storage
 
 
@@ -108,6 +109,11 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         requests: list[ReadItem] = []
         for fqn, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata[fqn]  # presence checked by the caller
+            if not isinstance(md, TensorStorageMetadata):
+                raise ValueError(
+                    f"{fqn}: the checkpoint holds bytes there, not a tensor; these planners "
+                    "load tensors only"
+                )
             if isinstance(obj, GlobalChunks):
                 chunks = [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in obj.chunks]
             else:
@@ -118,5 +124,12 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         if isinstance(obj, GlobalChunks):
-            return obj.at(tuple(index.offset))
+            return obj.at(_chunk_offset(index))
         return obj
+
+
+def _chunk_offset(index: MetadataIndex) -> tuple[int, ...]:
+    """The offsets of the chunk `index` names (set on every item the planners above make)."""
+    if index.offset is None:
+        raise ValueError(f"{index.fqn}: a chunk's index has no offset; the planners set one")
+    return tuple(index.offset)

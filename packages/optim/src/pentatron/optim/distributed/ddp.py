@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -73,13 +73,13 @@ class DistributedDataParallel(torch.nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         dense = [p for p in params if not is_expert_param(p)]
         expert = [p for p in params if is_expert_param(p)]
-        self.buffers = self._make_buffers(dense, dp_group, "dense")
+        self.dense_buffers = self._make_buffers(dense, dp_group, "dense")
         self.expert_buffers = self._make_buffers(expert, expert_dp_group, "expert")
         self.param_to_buffer = {p: b for b in self.all_buffers for p in b.params}
         for p in params:
             # Layers that accumulate dW straight into `main_grad` (gradient accumulation
             # fusion) set this and hand autograd a dummy grad, so the hook below still fires.
-            p.grad_added_to_main_grad = False
+            p.grad_added_to_main_grad = False  # type: ignore[attr-defined]  # not in torch stubs
         grad_hook = _weak_method(self._grad_hook)
         self._hooks = [p.register_post_accumulate_grad_hook(grad_hook) for p in params]
         if config.overlap_param_gather:
@@ -93,7 +93,7 @@ class DistributedDataParallel(torch.nn.Module):
     # --- construction ------------------------------------------------------------------
     @property
     def all_buffers(self) -> list[ParamAndGradBuffer]:
-        return [*self.buffers, *self.expert_buffers]
+        return [*self.dense_buffers, *self.expert_buffers]
 
     def _make_buffers(
         self, params: list[torch.nn.Parameter], group: Any, kind: str
@@ -135,10 +135,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- hooks -------------------------------------------------------------------------
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
-        if param.grad is not None and not param.grad_added_to_main_grad:
-            param.main_grad.add_(param.grad)  # accumulate across micro-batches, in grad dtype
+        # torch stubs lack the .main_grad and .grad_added_to_main_grad set in __init__
+        in_main_grad = param.grad_added_to_main_grad  # type: ignore[attr-defined]
+        if param.grad is not None and not in_main_grad:
+            # accumulate across micro-batches, in grad dtype
+            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
-        param.grad_added_to_main_grad = False
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         if self.config.overlap_grad_reduce and self.is_last_microbatch:
             self.param_to_buffer[param].register_grad_ready(param)
 
@@ -224,6 +227,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         self.finish_param_sync()
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

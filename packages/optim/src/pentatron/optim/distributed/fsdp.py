@@ -21,7 +21,7 @@ them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -130,8 +130,10 @@ class FSDP2DataParallel(torch.nn.Module):
         """The module's state dict (no `module.` prefix), params as `DTensor` shards."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict)
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def apply_fsdp2(
@@ -163,11 +165,10 @@ def apply_fsdp2(
                 comm.broadcast(p.data, src=src, group=group)
     attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for block in default_blocks(module) if blocks is None else blocks:
-        fully_shard(block, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's params are used last in forward and first in backward: keep them gathered.
-    fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for name, p in module.named_parameters():
         for key, value in attrs.get(name, {}).items():
             setattr(p, key, value)

@@ -58,7 +58,8 @@ def plan_layout(
     ranges: list[tuple[int, int]] = []
     buckets: list[tuple[int, int]] = []
     members: list[tuple[int, ...]] = []
-    bucket_start, offset, current = 0, 0, []
+    current: list[int] = []  # indices of the params of the open bucket
+    bucket_start, offset = 0, 0
 
     def close() -> None:
         nonlocal bucket_start, offset, current
@@ -158,7 +159,8 @@ class ParamAndGradBuffer:
                 view = self.param_data[start:end].view_as(param)
                 view.copy_(param.data)
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view_as(param)
+            # torch stubs lack DDP's .main_grad
+            param.main_grad = self.grad_data[start:end].view_as(param)  # type: ignore[attr-defined]
         self.buckets = [
             self._make_bucket(i, start, end, idx)
             for i, ((start, end), idx) in enumerate(
@@ -218,7 +220,12 @@ class ParamAndGradBuffer:
 
     def _check_finite(self, bucket: Bucket) -> None:
         if not torch.isfinite(bucket.grad_data).all():
-            bad = [i for i, p in enumerate(bucket.params) if not torch.isfinite(p.main_grad).all()]
+            bad = [
+                i
+                for i, p in enumerate(bucket.params)
+                # torch stubs lack DDP's .main_grad
+                if not torch.isfinite(p.main_grad).all()  # type: ignore[attr-defined]
+            ]
             raise RuntimeError(
                 f"rank {dist.get_rank()}: non-finite grad in {self.name} buffer bucket "
                 f"{bucket.index} (params {bad} of the bucket, shapes "

@@ -57,7 +57,7 @@ def _device_of(sets: list[GradSet]) -> torch.device:
 
 def _local_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Per-grad norms in fp32, `[len(grads)]`, with one multi-tensor kernel per dtype."""
-    norms = []
+    norms: list[torch.Tensor] = []
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g.detach())

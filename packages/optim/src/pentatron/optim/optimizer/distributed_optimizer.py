@@ -25,6 +25,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         "DistributedOptimizer needs DDP buffers built with "
                         "DDPConfig(use_distributed_optimizer=True); fix: set it in the DDPConfig"
                     )
+                param_data = buffer.param_data
+                assert param_data is not None, "a sharded buffer keeps its params in param_data"
                 for bucket in buffer.buckets:
                     size = bucket.numel // buffer.dp_size
                     lo = bucket.start + buffer.dp_rank * size
@@ -33,9 +35,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         start, end = buffer.param_range[p]
                         a, b = max(start, lo), min(end, hi)
                         if a < b:
-                            out.append(
-                                _main_param(p, buffer.grad_data[a:b], buffer.param_data[a:b])
-                            )
+                            out.append(_main_param(p, buffer.grad_data[a:b], param_data[a:b]))
         return out
 
     def step(self) -> StepResult:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from pentatron.parallel_state import ProcessGrid
 
@@ -29,15 +28,18 @@ def get_optimizer(
 ) -> MixedPrecisionOptimizer | FSDP2Optimizer:
     """Build the (distributed) mixed-precision optimizer over DDP-wrapped `model_chunks`,
     or `FSDP2Optimizer` over `FSDP2DataParallel` ones."""
-    if model_chunks and all(isinstance(c, FSDP2DataParallel) for c in model_chunks):
-        groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
-        return FSDP2Optimizer(config, model_chunks, groups, grid=grid, stats_groups=stats_groups)
+    fsdp_chunks = [c for c in model_chunks if isinstance(c, FSDP2DataParallel)]
+    if model_chunks and len(fsdp_chunks) == len(model_chunks):
+        groups = get_param_groups(fsdp_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        return FSDP2Optimizer(config, fsdp_chunks, groups, grid=grid, stats_groups=stats_groups)
+    ddp_chunks: list[DistributedDataParallel] = []
     for chunk in model_chunks:
         if not isinstance(chunk, DistributedDataParallel):
             raise TypeError(
                 f"model chunk {type(chunk).__name__} is not wrapped in "
                 "DistributedDataParallel; fix: wrap each chunk first"
             )
+        ddp_chunks.append(chunk)
         if chunk.config.use_distributed_optimizer != config.use_distributed_optimizer:
             raise config_error(
                 "use_distributed_optimizer",
@@ -46,8 +48,6 @@ def get_optimizer(
                 f"{chunk.config.use_distributed_optimizer})",
                 "set the same value in both",
             )
-    groups: list[dict[str, Any]] = get_param_groups(
-        model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult
-    )
+    groups = get_param_groups(ddp_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
     cls = DistributedOptimizer if config.use_distributed_optimizer else MixedPrecisionOptimizer
-    return cls(config, model_chunks, groups, grid=grid, stats_groups=stats_groups)
+    return cls(config, ddp_chunks, groups, grid=grid, stats_groups=stats_groups)

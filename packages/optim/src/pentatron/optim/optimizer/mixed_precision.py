@@ -78,6 +78,17 @@ def _main_param(param: torch.nn.Parameter, grad: torch.Tensor, target: torch.Ten
     return MainParam(param, main, grad, target, True, is_expert_param(param))
 
 
+def _main_grad(mp: MainParam) -> torch.Tensor:
+    """`mp.main.grad`, which `_copy_grads_to_main` sets at the start of every step."""
+    grad = mp.main.grad
+    if grad is None:
+        raise RuntimeError(
+            f"main param of a {tuple(mp.model_param.shape)} param has no grad: the step "
+            "reads main grads only after _copy_grads_to_main"
+        )
+    return grad
+
+
 def make_inner_optimizer(
     config: OptimizerConfig, groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
@@ -172,7 +183,8 @@ class MixedPrecisionOptimizer:
         for chunk in self.model_chunks:
             for buffer in chunk.all_buffers:
                 for p in buffer.params:
-                    out.append(_main_param(p, p.main_grad, p.data))
+                    # torch stubs lack DDP's .main_grad
+                    out.append(_main_param(p, p.main_grad, p.data))  # type: ignore[attr-defined]
         return out
 
     @property
@@ -189,12 +201,12 @@ class MixedPrecisionOptimizer:
     # --- step --------------------------------------------------------------------------
     def _grad_sets(self) -> list[GradSet]:
         dense = [
-            mp.main.grad
+            _main_grad(mp)
             for mp in self.main_params
             if not mp.expert and counts_for_norm(mp.model_param, self.stats.tp_rank)
         ]
         expert = [
-            mp.main.grad
+            _main_grad(mp)
             for mp in self.main_params
             if mp.expert and counts_for_norm(mp.model_param, self.stats.expert_tp_rank)
         ]
@@ -217,7 +229,7 @@ class MixedPrecisionOptimizer:
     def step(self) -> StepResult:
         """One optimizer step after `finalize_model_grads`; a skipped step returns False."""
         self._copy_grads_to_main()
-        grads = [mp.main.grad for mp in self.main_params]
+        grads = [_main_grad(mp) for mp in self.main_params]
         scale = None
         if self.grad_scaler is not None:
             scale = self.grad_scaler.scale
