@@ -285,12 +285,16 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
                 f"--config {path}: unknown key {key!r}; the rule: keys are the flag names "
                 "(see pentatron-pretrain --help)"
             )
-        action = known[dest]
-        if action.type is not None and value is not None:
-            if isinstance(value, list) and action.type is not parse_moe_layer_freq:
-                value = [action.type(v) for v in value]
+        convert = known[dest].type
+        if convert is not None and value is not None:
+            if not callable(convert):  # argparse also allows a registered name; ours are callables
+                raise ArgumentError(
+                    f"--config {path}: key {key!r}: type {convert!r} is not callable"
+                )
+            if isinstance(value, list) and convert is not parse_moe_layer_freq:
+                value = [convert(v) for v in value]
             else:
-                value = action.type(value)
+                value = convert(value)
         out[dest] = value
     return out
 

@@ -58,7 +58,7 @@ def get_batch(
     return get_batch_on_this_cp_rank(out, grid.size("cp"), grid.rank("cp"))
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, cp_group: Any = None):
+def loss_func(loss_mask: torch.Tensor | None, output: torch.Tensor, cp_group: Any = None):
     """Masked per-token loss: (sum of losses, token count, {"lm loss": [sum, count]}).
 
     `output` is the model's per-token loss [b, s] ([b, s/cp] with context parallelism). The
@@ -71,7 +71,13 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, cp_group: Any = Non
     report cover the whole sequence, and the differentiable loss is this rank's sum times
     cp: DDP averages grads over dp x cp, so the cp ranks' grads add up to the grad of the
     full sequence's sum (Megatron's rule), in both per-micro-batch and per-token modes.
+    `loss_mask` is None only on chunks that compute no loss (`forward_step` binds it).
     """
+    if loss_mask is None:
+        raise ValueError(
+            "loss_func without a loss mask: only a chunk with post_process computes the loss, "
+            "and get_batch gives it the mask"
+        )
     mask = loss_mask.reshape(-1).float()
     losses = output.float().reshape(-1)
     loss = torch.sum(losses * mask)

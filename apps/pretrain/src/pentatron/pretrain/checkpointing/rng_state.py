@@ -28,7 +28,12 @@ def capture_rng(rank: int) -> dict[str, torch.Tensor]:
     """This rank's RNG states under `rng/<rank>/...`."""
     head = f"{PREFIX}{rank}/"
     version, internal, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state()
+    if not isinstance(numpy_state, tuple):  # a dict when the generator is not MT19937
+        raise TypeError(
+            "numpy's global generator is not MT19937; RNG checkpoints hold MT19937 states only"
+        )
+    _, keys, pos, has_gauss, cached = numpy_state
     sd = {
         head + "python": torch.tensor(internal, dtype=torch.int64),
         head + "python_meta": _floats(version, gauss is not None, gauss or 0.0),

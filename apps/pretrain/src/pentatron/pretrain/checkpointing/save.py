@@ -118,7 +118,7 @@ def save_checkpoint(
             iteration, model_chunks, optimizer, scheduler, grid, config, consumed_samples, args
         )
     if async_saver is not None:
-        if first:
+        if common is not None:  # the first rank
             os.makedirs(tmp, exist_ok=True)  # the other ranks' writer threads may be first
             write_common(tmp, common)
         publish = partial(_publish, save_dir, tmp, final, iteration, keep_last)
@@ -130,7 +130,7 @@ def save_checkpoint(
         planner=ChunkSavePlanner(),
         process_group=grid.host_group,
     )
-    if first:
+    if common is not None:  # the first rank
         write_common(tmp, common)
     comm.barrier(grid.host_group)  # every rank's files are complete before it is visible
     if first:

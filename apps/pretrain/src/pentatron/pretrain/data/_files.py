@@ -88,21 +88,20 @@ def build_once(lock_path: str | os.PathLike[str], is_built, build, group=None) -
     if the result is still missing, so ranks on machines without a shared file system each
     build their own copy, and ranks sharing one build it once.
     """
-    dist = None
+    synced = False  # the ranks of `group` take part (torch.distributed is imported)
     if group is not None:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            dist = None
+        synced = dist.is_initialized()
     error: BaseException | None = None
-    if dist is not None and dist.get_rank(group) == 0 and not is_built():
+    if synced and dist.get_rank(group) == 0 and not is_built():
         try:
             with file_lock(lock_path):
                 if not is_built():
                     build()
         except Exception as exc:  # reach the barrier anyway, so no rank waits for a dead builder
             error = exc
-    if dist is not None:
+    if synced:
         dist.barrier(group=group)
     if error is not None:
         raise error

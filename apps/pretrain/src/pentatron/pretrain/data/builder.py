@@ -112,7 +112,7 @@ def build_train_valid_test_datasets(
     paths, weights = parse_data_path(data_path)
     opened = [_open(p) for p in paths]
     per_dataset_bounds = [split_indices(fractions, len(ds)) for ds in opened]
-    result = []
+    result: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLITS):
         n = train_valid_test_num_samples[s]
         if fractions[s] == 0 or n == 0:

@@ -29,17 +29,27 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ._files import build_once, config_hash, load_npy, save_json, save_npy
-from .indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
 
 INDEX_VERSION = 1
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+class TokenDocuments(Protocol):
+    """The read interface of the token sequences a `GPTDataset` cuts samples from
+    (`IndexedDataset`'s; `MockIndexedDataset` generates them)."""
+
+    @property
+    def sequence_lengths(self) -> np.ndarray: ...
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray: ...
 
 
 @dataclass
@@ -219,7 +229,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        indexed_dataset: IndexedDataset,
+        indexed_dataset: TokenDocuments,
         dataset_path: str | None,
         indices: np.ndarray,
         num_samples: int | None,
@@ -363,11 +373,11 @@ def make_sample(
     n_pad = want - len(text)
     if n_pad > 0:
         text = np.concatenate((text, np.full(n_pad, config.pad, dtype=np.int64)))
-    text = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
+    ids = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
     if extra:
-        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        tokens, labels = ids[:-1].contiguous(), ids[1:].contiguous()
     else:
-        tokens, labels = text, torch.roll(text, shifts=-1)
+        tokens, labels = ids, torch.roll(ids, shifts=-1)
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens,
         config.eod,

@@ -153,6 +153,7 @@ def build_pretraining_data_loader(
     the GPU is asynchronous and overlaps the step."""
     if dataset is None:
         return None
+    sampler: MegatronPretrainingSampler | MegatronPretrainingRandomSampler
     if dataloader_type == "single":
         sampler = MegatronPretrainingSampler(
             len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size

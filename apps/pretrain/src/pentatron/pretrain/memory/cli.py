@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
 
 from ..arguments import ArgumentError, build_parser, validate_args, yaml_defaults
 from .plan import MemoryPlan, MemoryPlanError, derive_dp, plan_from_args
@@ -73,7 +74,8 @@ def build_plan(argv: list[str]) -> tuple[MemoryPlan, argparse.Namespace]:
         parser.set_defaults(**from_yaml)
         yaml_keys = set(from_yaml)
         first, _ = parser.parse_known_args(argv)  # --preset / --hf-config may be YAML keys
-    model, moe = {}, {}
+    model: dict[str, Any] = {}
+    moe: dict[str, Any] = {}
     if first.preset and first.hf_config:
         raise MemoryPlanError("--preset and --hf-config are exclusive; fix: pass one")
     if first.preset:

@@ -82,11 +82,12 @@ class HuggingFaceTokenizer(Tokenizer):
         self.path = str(path)
         self.add_special_tokens = add_special_tokens
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._eod = self._find(vocab, _token_text(config.get("eos_token")), EOD_CANDIDATES)
-        if self._eod is None:
+        eod = self._find(vocab, _token_text(config.get("eos_token")), EOD_CANDIDATES)
+        if eod is None:
             raise ValueError(
                 f"--tokenizer-model {path}: no end-of-document token (tried {', '.join(EOD_CANDIDATES)})"
             )
+        self._eod = eod
         pad = self._find(vocab, _token_text(config.get("pad_token")), PAD_CANDIDATES)
         self._pad = self._eod if pad is None else pad
 

@@ -101,6 +101,12 @@ def fsdp2_chunk(model: torch.nn.Module, args, grid: ProcessGrid) -> FSDP2DataPar
     widened before sharding and FSDP2 all-gathers them in bf16 for compute, reducing grads
     in fp32; the numerics of our mixed-precision optimizer over bf16 params.
     """
+    layers = model.get_submodule("decoder.layers")  # one FSDP unit per transformer layer
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(
+            f"--use-torch-fsdp2: {type(model).__name__}.decoder.layers is a "
+            f"{type(layers).__name__}; the rule: a ModuleList of the transformer layers"
+        )
     compute = configs.params_dtype(args)
     with torch.no_grad():
         for p in model.parameters():
@@ -110,7 +116,7 @@ def fsdp2_chunk(model: torch.nn.Module, args, grid: ProcessGrid) -> FSDP2DataPar
         grid.group("dp-cp"),
         param_dtype=None if compute == torch.float32 else compute,
         reduce_dtype=torch.float32,
-        blocks=list(model.decoder.layers),
+        blocks=list(layers),
         # every rank initialised the same weights (layout-independent init)
         broadcast_params=False,
     )
