@@ -87,7 +87,7 @@ def ddp_rank(args: argparse.Namespace) -> dict[str, Any]:
         torch.testing.assert_close(a.main_grad, b.main_grad, rtol=1e-5, atol=1e-6)
     with comm.trace() as ledger:
         step(overlap)
-    n_buckets = len(overlap.buffers[0].buckets)
+    n_buckets = len(overlap.dense_buffers[0].buckets)
     for _ in range(args.warmup):
         step(overlap), step(plain)
     t_overlap, t_plain = interleaved(
