@@ -50,6 +50,7 @@ from .utils import (
     divide,
     pad_vocab_size,
     resolve_group,
+    set_tensor_model_parallel_attributes,
     split_tensor_along_last_dim,
     vocab_range,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "scaled_init_method_normal",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "set_tensor_model_parallel_attributes",
     "shard_of",
     "split_tensor_along_last_dim",
     "sync_sequence_parallel_grads",

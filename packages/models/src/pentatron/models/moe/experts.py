@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pentatron.parallel_state import current_device
-from pentatron.tp_layers import shard_of
+from pentatron.tp_layers import set_tensor_model_parallel_attributes, shard_of
 
 from ..activations import mlp_activation
 
@@ -82,6 +82,14 @@ class SequentialMLP(torch.nn.Module):
         bias, dtype, e = config.add_bias_linear, config.params_dtype, config.num_moe_experts
         self.linear_fc1 = ExpertLinear(num_local_experts, f1 // etp_size, h, bias, dtype)
         self.linear_fc2 = ExpertLinear(num_local_experts, h, ffn // etp_size, bias, dtype)
+        # etp shards, as a dense column/row-parallel layer's: each etp rank's part of the
+        # grad norm counts (an untagged param counts on etp rank 0 only, as replicated).
+        # fc2's bias is replicated over etp and stays untagged.
+        stride = 2 if gated else 1
+        set_tensor_model_parallel_attributes(self.linear_fc1.weight, True, 1, stride)
+        if self.linear_fc1.bias is not None:
+            set_tensor_model_parallel_attributes(self.linear_fc1.bias, True, 1, stride)
+        set_tensor_model_parallel_attributes(self.linear_fc2.weight, True, 2, 1)
         if bias and etp_size > 1:
             # Only etp rank 0 adds fc2's bias: its grad is all-reduced over etp (sync_grads).
             fc2_bias = self.linear_fc2.bias
