@@ -51,6 +51,17 @@ TP2_PP2_VPP2_SP_ZERO1 = [
 
 def train(argv: list[str]) -> list[float | None]:
     """Run the app on this worker's ranks; the per-iteration losses (None off the last stage)."""
+    return train_record(argv)["losses"]
+
+
+def train_record(argv: list[str], plant: str | None = None) -> dict[str, list]:
+    """Run the app on this worker's ranks, with the bug `plant` names planted (see PLANTS).
+
+    Returns {"losses": per iteration (None off the last stage), "grad_norms": per
+    iteration, every rank, before clipping}.
+    """
+    import contextlib
+
     import torch.distributed as dist
 
     from pentatron.parallel_state import destroy_model_parallel
@@ -58,10 +69,45 @@ def train(argv: list[str]) -> list[float | None]:
     from pentatron.pretrain.pretrain_gpt import pretrain
 
     args = validate_args(parse_args(argv), dist.get_world_size())
-    try:
-        return pretrain(args).losses
-    finally:
-        destroy_model_parallel()
+    with _planted(plant) if plant else contextlib.nullcontext():
+        try:
+            state = pretrain(args)
+        finally:
+            destroy_model_parallel()
+    return {"losses": state.losses, "grad_norms": state.grad_norms}
+
+
+# Bugs the parity tests must see, each planted in the real code for one run:
+#   grad_x2 / grad_x0.5: every gradient scaled (the loss a schedule back-propagates);
+#   no_microbatch_average: the 1/micro-batches factor dropped;
+#   dp_sum: DDP's grad reduce sums over dp instead of averaging.
+PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
+
+
+def _planted(plant: str):
+    """A context that plants `plant` (one of PLANTS) by patching the module that owns it."""
+    from unittest import mock
+
+    from pentatron.optim.distributed import ddp
+    from pentatron.pipeline.schedules import common
+
+    apply_loss = common._apply_loss
+    if plant in ("grad_x2", "grad_x0.5"):
+        factor = 2.0 if plant == "grad_x2" else 0.5
+        return mock.patch.object(common, "_apply_loss", lambda *a: apply_loss(*a) * factor)
+    if plant == "no_microbatch_average":
+        return mock.patch.object(
+            common, "_apply_loss", lambda st, *a: apply_loss(st, *a) * st.num_microbatches
+        )
+    if plant == "dp_sum":
+        buffer = ddp.ParamAndGradBuffer
+
+        def summing(*a, **kw):
+            kw["gradient_scaling_factor"] = 1.0
+            return buffer(*a, **kw)
+
+        return mock.patch.object(ddp, "ParamAndGradBuffer", summing)
+    raise ValueError(f"plant {plant!r}: one of {PLANTS}")
 
 
 def last_stage(per_rank: list) -> list:
@@ -69,3 +115,29 @@ def last_stage(per_rank: list) -> list:
     out = [r for r in per_rank if r and r[0] is not None]
     assert out, "no rank of the last pipeline stage reported losses"
     return out
+
+
+def assert_matches_reference(per_rank: list[dict], reference: dict, rtol: float) -> None:
+    """Every rank's grad norms (before clipping: they carry the gradients' scale, which Adam
+    and clipping hide from the losses) and the last stage's losses equal the one-process
+    reference's, within `rtol`."""
+    import torch
+
+    ref_norms = torch.tensor(reference["grad_norms"], dtype=torch.float64)
+    for rank, rec in enumerate(per_rank):
+        torch.testing.assert_close(
+            torch.tensor(rec["grad_norms"], dtype=torch.float64),
+            ref_norms,
+            rtol=rtol,
+            atol=0.0,
+            msg=lambda m, rank=rank: f"rank {rank}: grad norms differ from one process: {m}",
+        )
+    last = last_stage([rec["losses"] for rec in per_rank])
+    for losses in last:
+        torch.testing.assert_close(
+            torch.tensor(losses, dtype=torch.float64),
+            torch.tensor(reference["losses"], dtype=torch.float64),
+            rtol=rtol,
+            atol=0.0,
+            msg=lambda m: f"losses differ from one process: {m}",
+        )

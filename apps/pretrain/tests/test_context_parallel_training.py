@@ -1,8 +1,9 @@
 """Acceptance: the app trains a 4-layer GPT (GQA, RoPE, SwiGLU) for 5 steps with the same
-loss at every step at one process, at cp2-tp2-dp2 with sequence parallelism (ring
-attention) and at cp2-pp2 (all-to-all attention): this proves get_batch's cp sharding and
-the loss reduction over cp (gloo, fp32, mock data, the same seed; rtol 1e-4 as the other
-end-to-end tests). Bad cp flags fail in validate_args with one clear line."""
+loss and grad norm (before clipping, every rank) at every step at one process, at
+cp2-tp2-dp2 with sequence parallelism (ring attention) and at cp2-pp2 (all-to-all
+attention): this proves get_batch's cp sharding and the loss and grad reduction over cp
+(gloo, fp32, mock data, the same seed; rtol 1e-6; measured 2026-12-05: at most 1.1e-7 on
+the norms, 8.7e-8 on the losses). Bad cp flags fail in validate_args with one clear line."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _app import TINY_GPT, last_stage, train
+from _app import TINY_GPT, assert_matches_reference, train_record
 
 from pentatron.pretrain.arguments import parse_args, validate_args
 from pentatron.pretrain.arguments_validate import ArgumentError
 
 STEPS = 5
-RTOL = 1e-4
+RTOL = 1e-6
 COMMON = [
     *TINY_GPT,
     "--group-query-attention",
@@ -49,26 +50,23 @@ CP2_PP2 += ["--cp-comm-type", "a2a"]
 
 @pytest.fixture(scope="module")
 def reference(distributed):
-    return distributed.run(1, train, COMMON)[0]
+    return distributed.run(1, train_record, COMMON)[0]
 
 
 def _check(per_rank, reference, expected_ranks):
-    assert len(reference) == STEPS and all(math.isfinite(v) for v in reference)
-    assert reference[-1] < reference[0]  # it learns
-    last = last_stage(per_rank)
-    assert len(last) == expected_ranks
-    for losses in last:
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(reference), rtol=RTOL, atol=0.0
-        )
+    losses = reference["losses"]
+    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]  # it learns
+    assert sum(r["losses"][0] is not None for r in per_rank) == expected_ranks
+    assert_matches_reference(per_rank, reference, RTOL)
 
 
 def test_cp2_tp2_dp2_matches_one_process(distributed, reference):
-    _check(distributed.run(8, train, COMMON + CP2_TP2_DP2), reference, 8)
+    _check(distributed.run(8, train_record, COMMON + CP2_TP2_DP2), reference, 8)
 
 
 def test_cp2_pp2_matches_one_process(distributed, reference):
-    _check(distributed.run(4, train, COMMON + CP2_PP2), reference, 2)
+    _check(distributed.run(4, train_record, COMMON + CP2_PP2), reference, 2)
 
 
 @pytest.mark.parametrize(

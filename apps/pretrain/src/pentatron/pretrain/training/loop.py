@@ -32,6 +32,8 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list[float | None] = field(default_factory=list)  # per iteration (last stage)
+    # per iteration, before clipping, every rank (None where the step did not clip/norm)
+    grad_norms: list[float | None] = field(default_factory=list)
     exit_reason: str = ""
 
 
@@ -116,6 +118,7 @@ class Trainer:
         if out.update_successful:
             self.scheduler.step(1)
         state.losses.append(out.loss)
+        state.grad_norms.append(out.grad_norm)
         self.logger.log_train(
             state.iteration,
             {
