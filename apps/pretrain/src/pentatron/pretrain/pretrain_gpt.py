@@ -152,23 +152,9 @@ def pretrain(
     chunks, optimizer, scheduler = setup_model_and_optimizer(provider, args, grid)
     config = configs.transformer_config(args)
     state = TrainState()
-    if args.load:
-        from .checkpointing import load_checkpoint
-
-        loaded = load_checkpoint(
-            args.load,
-            chunks,
-            optimizer,
-            scheduler,
-            grid=grid,
-            config=config,
-            load_optim=not args.no_load_optim,
-            load_rng=not args.no_load_rng,
-            finetune=args.finetune,
-            iteration=args.ckpt_step,
-        )
-        if loaded is not None:
-            state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
+    loaded = _load(args, chunks, optimizer, scheduler, grid, config)
+    if loaded is not None:
+        state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
     train_ds, valid_ds, _ = datasets_provider(args, tokenizer, _num_samples(args), grid)
     train_factory = _loader_factory(args, grid, train_ds, state.consumed_samples)
     valid_factory = _loader_factory(args, grid, valid_ds, 0)
@@ -219,6 +205,26 @@ def _cuda_graphs(args, chunks, capture):
     from pentatron.models.cuda_graphs import LayerCudaGraphs, cuda_capture
 
     return LayerCudaGraphs(chunks, args.cuda_graph_warmup_steps, capture or cuda_capture)
+
+
+def _load(args, chunks, optimizer, scheduler, grid, config):
+    """--load (with --no-load-optim, --no-load-rng, --finetune, --ckpt-step), or None."""
+    if not args.load:
+        return None
+    from .checkpointing import load_checkpoint
+
+    return load_checkpoint(
+        args.load,
+        chunks,
+        optimizer,
+        scheduler,
+        grid=grid,
+        config=config,
+        load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        finetune=args.finetune,
+        iteration=args.ckpt_step,
+    )
 
 
 def _saver(args, chunks, optimizer, scheduler, grid, config, async_saver=None):
