@@ -201,7 +201,14 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument(
+        "--exit-signal-handler",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on SIGTERM/SIGINT finish the iteration, save (with --save) and exit 0; on by "
+        "default here, as docs/launch.md documents (Megatron's default is off); "
+        "--no-exit-signal-handler leaves the signals' default action",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
@@ -250,7 +257,11 @@ def _checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not latest")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--ckpt-keep-last", type=int, default=None)
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument(
+        "--ckpt-format",
+        default="torch_dist",
+        help="torch_dist only: the sharded format we write (others are refused in validation)",
+    )
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
@@ -295,6 +306,12 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
                 value = [convert(v) for v in value]
             else:
                 value = convert(value)
+        choices = known[dest].choices
+        if choices is not None and value not in choices:
+            raise ArgumentError(
+                f"--config {path}: key {key!r}: {value!r} is not one of {list(choices)}; "
+                "fix: use one of them (as on the command line)"
+            )
         out[dest] = value
     return out
 

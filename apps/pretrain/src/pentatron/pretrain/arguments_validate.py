@@ -413,6 +413,13 @@ def _data_and_checkpoints(args: argparse.Namespace) -> None:
         _fail("save-interval", args.save_interval, "needs --save", "pass --save DIR")
     if args.async_save and args.save is None:
         _fail("async-save", True, "needs --save", "pass --save DIR")
+    if args.ckpt_format != "torch_dist":
+        _fail(
+            "ckpt-format",
+            args.ckpt_format,
+            "this release reads and writes only torch_dist (sharded, loadable at any layout)",
+            "pass --ckpt-format torch_dist or drop the flag",
+        )
 
 
 # TransformerConfig fields whose flag is not the field name with dashes.

@@ -2,12 +2,13 @@
 
 Exit conditions (each agreed by every rank, so all stop at the same iteration): train_iters
 reached, --exit-interval, --exit-duration-in-mins, and SIGTERM / SIGINT (torchrun forwards
-them to every worker); the last three save a checkpoint first when --save is set. A NaN or
-Inf loss stops the run before the optimizer step (the last checkpoint stays intact) or, with
---on-nan-loss skip, skips that step on every rank. With --async-save a background write is
-published at the first iteration end where every rank has finished it, and at the latest
-before `train` returns (or raises NonFiniteLossError: the save before the bad step is good).
-Nothing started by the loop is still running when `train` returns.
+them to every worker; caught unless --no-exit-signal-handler); the last three save a
+checkpoint first when --save is set. A NaN or Inf loss stops the run before the optimizer
+step (the last checkpoint stays intact) or, with --on-nan-loss skip, skips that step on
+every rank. With --async-save a background write is published at the first iteration end
+where every rank has finished it, and at the latest before `train` returns (or raises
+NonFiniteLossError: the save before the bad step is good). Nothing started by the loop is
+still running when `train` returns.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class SignalCatcher:
     def restore(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+def signal_catcher(args) -> SignalCatcher:
+    """SIGTERM / SIGINT caught with --exit-signal-handler (the default here), else none:
+    the signals keep their default action (the process dies mid-step, as Megatron's without
+    the flag)."""
+    return SignalCatcher() if args.exit_signal_handler else SignalCatcher(signals=())
 
 
 @dataclass
@@ -157,7 +165,7 @@ class Trainer:
 
     def train(self, state: TrainState) -> TrainState:
         args, started = self.args, time.time()
-        catcher = SignalCatcher()
+        catcher = signal_catcher(args)
         saved_at = state.iteration
         try:
             while state.iteration < args.train_iters:
