@@ -89,11 +89,40 @@ def test_rope_scores_depend_on_relative_position_only():
     assert torch.equal(out[..., config.rotary_dim :], q[..., config.rotary_dim :])
 
 
-def test_bf16_params_and_fp32_residual():
+def _stream_dtypes(fp32_residual: bool):
+    """bf16 params: the dtypes of what flows between layers (each layer's input and output,
+    the final norm's input: the residual stream) and into the layers' linears; the loss."""
     model = build_reference(
-        small_config(params_dtype=torch.bfloat16, fp32_residual_connection=True)
+        small_config(params_dtype=torch.bfloat16, fp32_residual_connection=fp32_residual)
     )
+    seen: dict[str, set] = {"stream": set(), "linear": set()}
+
+    def record(kind, and_output=False):
+        def hook(module, args, output):
+            seen[kind].add(args[0].dtype)
+            if and_output:
+                seen[kind].add(output.dtype)
+
+        return hook
+
+    for layer in model.decoder.layers:
+        layer.register_forward_hook(record("stream", and_output=True))
+        for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
+            linear.register_forward_hook(record("linear"))
+    model.decoder.final_layernorm.register_forward_hook(record("stream"))
     ids, pos, labels = microbatches(1)[0]
     assert model(ids, pos).dtype == torch.bfloat16
     loss = model(ids, pos, labels=labels)
     assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    return seen, loss
+
+
+def test_bf16_params_and_fp32_residual():
+    """With fp32_residual_connection the residual stream (embedding output, every layer's
+    input and output, the final norm's input) is fp32 while the norms hand the linears bf16;
+    without it the stream is bf16, and the losses differ."""
+    on, loss_on = _stream_dtypes(True)
+    assert on == {"stream": {torch.float32}, "linear": {torch.bfloat16}}
+    off, loss_off = _stream_dtypes(False)
+    assert off == {"stream": {torch.bfloat16}, "linear": {torch.bfloat16}}
+    assert not torch.equal(loss_on, loss_off)  # the fp32 adds round differently
