@@ -110,10 +110,13 @@ def _planted(plant: str):
     raise ValueError(f"plant {plant!r}: one of {PLANTS}")
 
 
-def last_stage(per_rank: list) -> list:
-    """The results of the ranks that hold losses (the last pipeline stage)."""
+def last_stage(per_rank: list, count: int | None = None) -> list:
+    """The results of the ranks that hold losses (the last pipeline stage); there must be
+    `count` of them (world / pp) when given, else at least one."""
     out = [r for r in per_rank if r and r[0] is not None]
     assert out, "no rank of the last pipeline stage reported losses"
+    if count is not None:
+        assert len(out) == count, f"{len(out)} ranks reported losses, want {count} (world / pp)"
     return out
 
 

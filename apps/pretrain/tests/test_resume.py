@@ -10,7 +10,9 @@
   tp1-pp1-dp4, and an FSDP2 checkpoint (tp2-pp2-dp2) resumed with DDP at tp1-pp1-dp4 and
   with FSDP2 at tp4-pp2-dp1.
 - A NaN loss stops the run at that iteration on every rank with a message naming it, and
-  the latest checkpoint stays the one before; with --on-nan-loss skip the run goes on.
+  the latest checkpoint stays the one before; with --on-nan-loss skip the run goes on, and
+  the skipped step leaves the params, the optimizer's state (Adam moments and step count,
+  fp32 main params) and the LR scheduler bitwise as they were, on every rank.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def _exact_resume(root):
 def test_resume_is_bitwise_exact(distributed, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("resume"))
     results = distributed.run(8, _exact_resume, root)
-    for full, first, second in [r for r in results if r[0][0] is not None]:
-        assert len(first) == 6 and len(second) == 6
+    compared = [r for r in results if r[0][0] is not None]
+    assert len(compared) == 4, f"{len(compared)} ranks of the last stage (tp2 x dp2), want 4"
+    for full, first, second in compared:
+        assert len(full) == 12 and len(first) == 6 and len(second) == 6
         assert first == full[:6]
         assert second == full[6:]  # bitwise: same floats
     from pentatron.pretrain.checkpointing import read_latest_iteration
@@ -61,7 +65,7 @@ def _save_at_tp2_pp2_dp2(distributed, tmp_path_factory, base):
     per_rank = distributed.run(
         8, train, base + TP2_PP2 + ["--train-iters", "8", "--save", ckpt, "--save-interval", "6"]
     )
-    return ckpt, last_stage(per_rank)[0]
+    return ckpt, last_stage(per_rank, count=4)[0]
 
 
 @pytest.fixture(scope="module")
@@ -74,35 +78,37 @@ def saved_with_fsdp2(distributed, tmp_path_factory):
     return _save_at_tp2_pp2_dp2(distributed, tmp_path_factory, FSDP2)
 
 
-def _assert_next_losses(distributed, saved, world, argv):
+def _assert_next_losses(distributed, saved, world, argv, pp):
     """Steps 7 and 8 after loading step 6: the weights decide step 7's loss, and the
     optimizer state (Adam moments, step count) and the scheduler step 8's."""
     # Without dropout: its masks depend on the layout (one stream per tp rank).
     ckpt, reference = saved
     argv = [*argv, "--train-iters", "8", "--load", ckpt, "--ckpt-step", "6"]
     per_rank = distributed.run(world, train, argv)
-    for losses in last_stage(per_rank):
+    for losses in last_stage(per_rank, count=world // pp):
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(reference[6:]), rtol=1e-5, atol=0.0
         )
 
 
 @pytest.mark.parametrize(
-    ("world", "layout"),
-    [(4, ARGS), (8, ARGS + TP4_PP2), (4, FSDP2)],
+    ("world", "layout", "pp"),
+    [(4, ARGS, 1), (8, ARGS + TP4_PP2, 2), (4, FSDP2, 1)],
     ids=["tp1-pp1-dp4", "tp4-pp2-dp1", "tp1-pp1-dp4-fsdp2"],
 )
-def test_resharded_resume_continues_the_run(distributed, saved_at_tp2_pp2_dp2, world, layout):
-    _assert_next_losses(distributed, saved_at_tp2_pp2_dp2, world, layout)
+def test_resharded_resume_continues_the_run(distributed, saved_at_tp2_pp2_dp2, world, layout, pp):
+    _assert_next_losses(distributed, saved_at_tp2_pp2_dp2, world, layout, pp)
 
 
 @pytest.mark.parametrize(
-    ("world", "layout"),
-    [(4, ARGS), (8, FSDP2 + TP4_PP2)],
+    ("world", "layout", "pp"),
+    [(4, ARGS, 1), (8, FSDP2 + TP4_PP2, 2)],
     ids=["tp1-pp1-dp4-distopt", "tp4-pp2-dp1-fsdp2"],
 )
-def test_fsdp2_checkpoint_resumes_at_another_layout(distributed, saved_with_fsdp2, world, layout):
-    _assert_next_losses(distributed, saved_with_fsdp2, world, layout)
+def test_fsdp2_checkpoint_resumes_at_another_layout(
+    distributed, saved_with_fsdp2, world, layout, pp
+):
+    _assert_next_losses(distributed, saved_with_fsdp2, world, layout, pp)
 
 
 def _nan_at(iteration_to_poison, root, action):
@@ -138,13 +144,69 @@ def _nan_at(iteration_to_poison, root, action):
             output = output * float("nan")
         return output, loss_func
 
+    unchanged: dict[int, dict[str, bool]] = {}  # iteration -> what one iteration left as was
     try:
-        state = pretrain(args, forward_step_func=poisoned)
-        return {"losses": state.losses, "error": None}
+        with _recording_unchanged(unchanged):
+            state = pretrain(args, forward_step_func=poisoned)
+        return {"losses": state.losses, "error": None, "unchanged": unchanged}
     except NonFiniteLossError as e:
-        return {"losses": None, "error": str(e)}
+        return {"losses": None, "error": str(e), "unchanged": unchanged}
     finally:
         destroy_model_parallel()
+
+
+def _recording_unchanged(unchanged):
+    """Patch the trainer's iteration to record, per iteration, whether the model params, the
+    optimizer's state dict (this rank's: inner Adam state, fp32 main params) and the
+    scheduler's state (and the lr it set) came out bitwise equal to what went in."""
+    from unittest import mock
+
+    from pentatron.pretrain.training.loop import Trainer
+
+    one_iteration = Trainer._one_iteration
+
+    def snapshot(trainer):
+        return {
+            "params": [p.detach().clone() for c in trainer.chunks for p in c.parameters()],
+            "optimizer": _cloned(trainer.optimizer.state_dict()),
+            "scheduler": _cloned(
+                [trainer.scheduler.state_dict(), trainer.optimizer.param_groups[0]["lr"]]
+            ),
+        }
+
+    def recording(self, state):
+        before = snapshot(self)
+        try:
+            one_iteration(self, state)
+        finally:
+            after = snapshot(self)
+            unchanged[state.iteration] = {k: _equal(before[k], after[k]) for k in before}
+
+    return mock.patch.object(Trainer, "_one_iteration", recording)
+
+
+def _cloned(x):
+    if torch.is_tensor(x):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _cloned(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_cloned(v) for v in x]
+    return x
+
+
+def _equal(a, b) -> bool:
+    """Bitwise (same dtype, same bytes) for tensors, == for the rest, recursively."""
+    if torch.is_tensor(a):
+        if not torch.is_tensor(b) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        flat_a, flat_b = a.contiguous().view(-1), b.contiguous().view(-1)
+        return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
 
 
 def test_nan_loss_stops_every_rank_and_keeps_the_checkpoint(distributed, tmp_path_factory):
@@ -160,6 +222,13 @@ def test_nan_loss_stops_every_rank_and_keeps_the_checkpoint(distributed, tmp_pat
 def test_nan_loss_skip_goes_on(distributed, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("nan"))
     results = distributed.run(8, _nan_at, 3, root, "skip")
-    for r in last_stage([r["losses"] for r in results]):
+    for r in last_stage([r["losses"] for r in results], count=4):
         assert len(r) == 6 and math.isnan(r[2])
         assert all(math.isfinite(v) for i, v in enumerate(r) if i != 2)
+    nothing_changed = {"params": True, "optimizer": True, "scheduler": True}
+    everything_changed = {"params": False, "optimizer": False, "scheduler": False}
+    for rank, r in enumerate(results):
+        assert sorted(r["unchanged"]) == [1, 2, 3, 4, 5, 6], f"rank {rank}"
+        assert r["unchanged"][3] == nothing_changed, f"rank {rank}: the skipped step changed it"
+        for it in (2, 4):  # the record does see an applied step
+            assert r["unchanged"][it] == everything_changed, f"rank {rank}, iteration {it}"
