@@ -203,16 +203,54 @@ def test_shared_experts_added(gate):
     torch.testing.assert_close(out, routed + want, **TOL)
 
 
-def test_overlap_on_cpu_has_identical_numerics():
+def _shared_closed_form(shared, x):
+    """SharedExpertMLP (SwiGLU, no gate) as plain F.linear calls."""
+    g, u = torch.chunk(F.linear(x, shared.linear_fc1.weight, shared.linear_fc1.bias), 2, dim=-1)
+    return F.linear(F.silu(g) * u, shared.linear_fc2.weight, shared.linear_fc2.bias)
+
+
+def test_shared_expert_overlap_on_cpu_matches_the_closed_form():
+    """moe_shared_expert_overlap with the alltoall dispatcher, one process, CPU.
+
+    Exercised: the config path (overlap on, shared experts, alltoall dispatch/combine at
+    ep=1), the layer's output and the input's gradient against an independent closed form
+    (a per-token loop over the routed experts, weighted by the router's probs, plus the
+    shared MLP written as F.linear calls), and bitwise equality with overlap off.
+    Not exercised on CPU: the CUDA side stream (the shared experts launched before the
+    dispatch, wait_stream / record_stream ordering); `_start_shared` runs nothing on CPU
+    and the shared experts run after the combine, as without overlap."""
     kw = dict(moe_shared_expert_intermediate_size=24, moe_token_dispatcher_type="alltoall")
     torch.manual_seed(0)
-    a = MoELayer(
-        moe_config(**kw), MoESubmodules(router=TopKRouter), init_method=init_method_normal(0.1)
+    layer = MoELayer(
+        moe_config(moe_shared_expert_overlap=True, **kw),
+        MoESubmodules(router=TopKRouter),
+        init_method=init_method_normal(0.1),
     )
-    b = MoELayer(moe_config(moe_shared_expert_overlap=True, **kw), MoESubmodules(router=TopKRouter))
-    b.load_state_dict(a.state_dict())
-    x = torch.randn(4, 2, a.config.hidden_size)
-    torch.testing.assert_close(a(x)[0], b(x)[0], rtol=0, atol=0)
+    config = layer.config
+    x = torch.randn(4, 2, config.hidden_size, requires_grad=True)
+    assert layer._start_shared(x) == (None, None)  # CPU: no side stream
+    out, _ = layer(x)
+    (out.square().sum()).backward()
+    grad = x.grad.clone()
+
+    x.grad = None
+    probs, rmap = layer.router(x)
+    tokens = x.reshape(-1, config.hidden_size)
+    routed = []
+    for t in range(tokens.size(0)):
+        experts = rmap[t].nonzero().flatten().tolist()
+        assert experts, f"token {t} routed nowhere"
+        routed.append(
+            sum(probs[t, e] * _expert_loop(layer.experts, config, tokens[t], e) for e in experts)
+        )
+    want = torch.stack(routed).view_as(x) + _shared_closed_form(layer.shared_experts, x)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(grad, x.grad, **TOL)
+
+    plain = MoELayer(moe_config(**kw), MoESubmodules(router=TopKRouter))
+    plain.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(plain(x)[0], out, rtol=0, atol=0)
 
 
 def test_gpt_param_layout_and_dense_unchanged():
