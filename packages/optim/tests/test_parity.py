@@ -1,8 +1,31 @@
 """DDP and optimizers at dp = 2 and 4 vs one process on the whole batch (torch.optim.AdamW).
 
-Tolerances: fp32 runs 2e-5 absolute/relative (reduction order differs from the single
-process); bf16 params with fp32 main params vs the fp32 run 3e-2 (a few bf16 ulps).
+Each case is compared three ways, every step, on every rank:
+- the reduced grads the optimizer steps on (DDP's `main_grad` after `finalize_model_grads`,
+  with the distributed optimizer this rank's shard of it) against plain torch autograd of
+  the full-batch loss at the same params (`reference_grads`);
+- the global grad norm `opt.step()` returns (before clipping) against that reference's norm;
+- the params after the step against one process trained on the whole batch.
+Adam is scale-invariant and these steps never clip, so the params alone would not see a
+gradient scaled by a constant (2x, 1/dp missing, 1/micro-batches missing); the grads and the
+norm do (`test_a_planted_bug_fails_the_comparison`).
+
+Tolerances, each about 10x the largest error measured on 2026-12-05 (max over dp 2 and 4,
+every case, rank and step; rerun with PENTATRON_MEASURE=1 to print them):
+- fp32: grads GRAD_RTOL = 2e-6 as max |got - ref| / max |ref| of the whole param (measured
+  2.2e-7); grad norms NORM_RTOL = 1e-6 relative (measured 1.2e-7); params PARAM_TOL = 3e-7
+  absolute and relative (measured 3.0e-8 absolute).
+- bf16 (bf16 params and compute, fp32 grad reduction and main params) vs fp32 at the same
+  params: grads BF16_GRAD_RTOL = 0.1 (measured 2.4e-2, bf16 compute; 4x), grad norms
+  BF16_NORM_RTOL = 1e-2 (measured 1.4e-3; 7x); params vs the fp32 reference BF16_PARAM_TOL
+  = 1e-2 (measured 3.9e-3; 2.6x). Every bf16 param must have moved from its initial value
+  by more than 3 x BF16_PARAM_TOL (measured at least 3.9e-2), so an untrained run, or one
+  at half the learning rate, fails.
 """
+
+import contextlib
+import math
+import os
 
 import pytest
 import torch
@@ -17,6 +40,9 @@ from pentatron.optim import (
 from pentatron.parallel_state import ParallelConfig, comm, initialize_model_parallel
 
 STEPS, BATCH, LR, WD, CLIP = 5, 16, 1e-2, 0.1, 1.0
+GRAD_RTOL, NORM_RTOL, PARAM_TOL = 2e-6, 1e-6, 3e-7
+BF16_GRAD_RTOL, BF16_NORM_RTOL, BF16_PARAM_TOL = 0.1, 1e-2, 1e-2
+MEASURE = os.environ.get("PENTATRON_MEASURE") == "1"  # print the measured errors
 
 
 def make_model(dtype=torch.float32):
@@ -56,6 +82,28 @@ def reference(steps=STEPS):
     return out
 
 
+_REF_GRADS: dict = {}
+
+
+def reference_grads(params, step):
+    """Plain torch: fp32 autograd of the whole batch's mean loss at `params` (a list);
+    cached by value, as the ranks of a run hold the same params."""
+    key = (step, tuple(p.numpy().tobytes() for p in params))
+    if key not in _REF_GRADS:
+        _REF_GRADS[key] = _autograd(params, step)
+    return _REF_GRADS[key]
+
+
+def _autograd(params, step):
+    model = make_model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    x, y = batch(step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
 def build(case, grid):
     dtype = case.get("dtype", torch.float32)
     ddp_cfg = DDPConfig(
@@ -76,7 +124,25 @@ def build(case, grid):
     return model, get_optimizer(opt_cfg, [model], grid=grid)
 
 
-def train_step(model, opt, grid, step, micro, dtype, ledgers=None):
+def microbatch_loss(loss, micro):
+    """A micro-batch's share of the step's loss: the mean over micro-batches."""
+    return loss / micro
+
+
+def optimizer_grads(model, opt):
+    """What the optimizer steps on, as (param index, flat offset in the param, fp32 grad):
+    each main param's grad is a view of the reduced grad buffer (sharded: this rank's part)."""
+    index = {p: i for i, p in enumerate(model.module.parameters())}
+    out = []
+    for mp in opt.main_params:
+        buffer = model.param_to_buffer[mp.model_param]
+        start, _ = buffer.param_range[mp.model_param]
+        at = (mp.grad.data_ptr() - buffer.grad_data.data_ptr()) // buffer.grad_data.element_size()
+        out.append((index[mp.model_param], at - start, mp.grad.detach().float().clone()))
+    return out
+
+
+def train_step(model, opt, grid, step, micro, dtype, ledgers=None, grads=None):
     x, y = batch(step)
     d, r = grid.size("dp"), grid.rank("dp")
     xs, ys = x.chunk(d)[r].to(dtype), y.chunk(d)[r].to(dtype)
@@ -85,30 +151,113 @@ def train_step(model, opt, grid, step, micro, dtype, ledgers=None):
         with comm.trace() as ledger:
             ctx = torch.enable_grad() if last else model.no_sync()
             with ctx:
-                loss = torch.nn.functional.mse_loss(model(xm).float(), ym.float()) / micro
-                loss.backward()
+                loss = torch.nn.functional.mse_loss(model(xm).float(), ym.float())
+                microbatch_loss(loss, micro).backward()
             if last:
                 finalize_model_grads([model], grid=grid)
         if ledgers is not None:
             ledgers.append(len(ledger.records))
+    if grads is not None:
+        grads.append(optimizer_grads(model, opt))
     result = opt.step()
     opt.zero_grad()
     return result
 
 
-def run_cases(cases):
+# Bugs the comparison must see, each planted in the real code for one run:
+#   grad_x2 / grad_x0.5: every reduced grad scaled (by `finish_grad_sync`);
+#   no_microbatch_average: the 1/micro-batches factor dropped from the loss;
+#   dp_sum: the grad buffers sum over dp instead of averaging.
+PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
+
+
+def _planted(plant):
+    """A context that plants `plant` (one of PLANTS) by patching the code that owns it."""
+    import sys
+    from unittest import mock
+
+    from pentatron.optim.distributed import ddp
+
+    if plant is None:
+        return contextlib.nullcontext()
+    if plant in ("grad_x2", "grad_x0.5"):
+        factor = 2.0 if plant == "grad_x2" else 0.5
+        finish = ddp.DistributedDataParallel.finish_grad_sync
+
+        def finish_scaled(self):
+            finish(self)
+            self.scale_gradients(factor)
+
+        return mock.patch.object(ddp.DistributedDataParallel, "finish_grad_sync", finish_scaled)
+    if plant == "no_microbatch_average":
+        return mock.patch.object(sys.modules[__name__], "microbatch_loss", lambda loss, m: loss)
+    if plant == "dp_sum":
+        buffer = ddp.ParamAndGradBuffer
+
+        def summing(*a, **kw):
+            kw["gradient_scaling_factor"], kw["reduce_op"] = 1.0, torch.distributed.ReduceOp.SUM
+            return buffer(*a, **kw)
+
+        return mock.patch.object(ddp, "ParamAndGradBuffer", summing)
+    raise ValueError(f"plant {plant!r}: one of {PLANTS}")
+
+
+def run_cases(cases, steps=STEPS, plant=None):
     grid = initialize_model_parallel(ParallelConfig())
     out = []
-    for case in cases:
-        model, opt = build(case, grid)
-        dtype = case.get("dtype", torch.float32)
-        params, ledgers = [], []
-        for step in range(STEPS):
-            train_step(model, opt, grid, step, case.get("micro", 1), dtype, ledgers)
-            model.finish_param_sync()
-            params.append([p.detach().float().clone() for p in model.module.parameters()])
-        out.append({"params": params, "ledgers": ledgers})
+    with _planted(plant):
+        for case in cases:
+            model, opt = build(case, grid)
+            dtype = case.get("dtype", torch.float32)
+            init = [p.detach().float().clone() for p in model.module.parameters()]
+            params, ledgers, grads, norms = [], [], [], []
+            for step in range(steps):
+                result = train_step(
+                    model, opt, grid, step, case.get("micro", 1), dtype, ledgers, grads
+                )
+                norms.append(result.grad_norm)
+                model.finish_param_sync()
+                params.append([p.detach().float().clone() for p in model.module.parameters()])
+            out.append(
+                {"init": init, "params": params, "ledgers": ledgers, "grads": grads, "norms": norms}
+            )
     return out
+
+
+def check_against_reference(case, got, ref, what, errors=None):
+    """Raise AssertionError where `got` (one rank's run of `case`) leaves the tolerances."""
+    bf16 = case.get("dtype") == torch.bfloat16
+    grad_rtol = BF16_GRAD_RTOL if bf16 else GRAD_RTOL
+    norm_rtol = BF16_NORM_RTOL if bf16 else NORM_RTOL
+    param_tol = BF16_PARAM_TOL if bf16 else PARAM_TOL
+    errors = {} if errors is None else errors
+    for step in range(len(got["params"])):
+        before = got["init"] if step == 0 else got["params"][step - 1]
+        ref_grads = reference_grads(before, step)
+        for index, offset, grad in got["grads"][step]:
+            full = ref_grads[index]
+            expect = full.reshape(-1)[offset : offset + grad.numel()]
+            err = float((grad.reshape(-1) - expect).abs().max() / full.abs().max())
+            errors["grad"] = max(errors.get("grad", 0.0), err)
+            if err > grad_rtol:
+                raise AssertionError(
+                    f"grads differ: {what} step {step} param {index}[{offset}:]: "
+                    f"max |got - ref| / max |ref of the whole param| = {err:.3g} > {grad_rtol}"
+                )
+        ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref_grads))
+        err = abs(got["norms"][step] / ref_norm - 1)
+        errors["norm"] = max(errors.get("norm", 0.0), err)
+        if err > norm_rtol:
+            raise AssertionError(
+                f"grad norms differ: {what} step {step}: {got['norms'][step]} vs "
+                f"{ref_norm} (rel {err:.3g} > {norm_rtol})"
+            )
+        for a, b in zip(got["params"][step], ref[step]):
+            errors["param"] = max(errors.get("param", 0.0), float((a - b).abs().max()))
+            torch.testing.assert_close(
+                a, b, atol=param_tol, rtol=param_tol, msg=f"params differ: {what} step {step}"
+            )
+    return errors
 
 
 CASES = [
@@ -134,25 +283,46 @@ def ref():
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_with_single_process(distributed, ref, world):
     results = distributed.run(world, run_cases, CASES)
+    measured = {"fp32": {}, "bf16": {}}
     for case_index, case in enumerate(CASES):
-        tol = 3e-2 if case.get("dtype") == torch.bfloat16 else 2e-5
+        bf16 = case.get("dtype") == torch.bfloat16
         for rank in range(world):
             got = results[rank][case_index]
-            for step in range(STEPS):
-                for a, b in zip(got["params"][step], ref[step]):
-                    torch.testing.assert_close(
-                        a, b, atol=tol, rtol=tol, msg=f"{case} rank {rank} step {step}"
-                    )
+            what = f"{case} rank {rank}"
+            check_against_reference(case, got, ref, what, measured["bf16" if bf16 else "fp32"])
+            if bf16:  # it trained: every param moved by much more than the tolerance
+                for i, (a, b) in enumerate(zip(got["params"][-1], got["init"])):
+                    moved = float((a - b).abs().max())
+                    measured["bf16"]["moved"] = min(measured["bf16"].get("moved", 1.0), moved)
+                    assert moved > 3 * BF16_PARAM_TOL, f"{what} param {i} moved {moved}"
             micro = case.get("micro", 1)
             # grad accumulation: only the last micro-batch of each step communicates
             ledgers = got["ledgers"]
             for step in range(STEPS):
                 per_step = ledgers[step * micro : (step + 1) * micro]
                 assert per_step[:-1] == [0] * (micro - 1) and per_step[-1] > 0, (case, ledgers)
+    if MEASURE:
+        print(f"\nworld {world} measured max errors: {measured}")
 
 
 def test_bf16_actually_differs_from_fp32(distributed, ref):
     """The bf16 tolerance is not vacuous: bf16 params are not bit-equal to fp32 ones."""
     got = distributed.run(2, run_cases, [dict(dtype=torch.bfloat16)])[0][0]
     assert any(not torch.equal(a, b) for a, b in zip(got["params"][-1], ref[-1]))
-    assert all((a - b).abs().max() < 3e-2 for a, b in zip(got["params"][-1], ref[-1]))
+    assert all((a - b).abs().max() < BF16_PARAM_TOL for a, b in zip(got["params"][-1], ref[-1]))
+
+
+PLANT_CASE = dict(dist_opt=True, overlap=True, bucket_size=150, micro=2)
+PLANT_STEPS = 2
+
+
+@pytest.mark.parametrize("plant", [None, *PLANTS])
+def test_a_planted_bug_fails_the_comparison(distributed, ref, plant):
+    """None: the same short run without a bug passes, so each failure is the bug's."""
+    per_rank = distributed.run(2, run_cases, [PLANT_CASE], PLANT_STEPS, plant)
+    for rank, (got,) in enumerate(per_rank):
+        if plant is None:
+            check_against_reference(PLANT_CASE, got, ref, f"rank {rank}")
+            continue
+        with pytest.raises(AssertionError, match="grads differ"):
+            check_against_reference(PLANT_CASE, got, ref, f"{plant} rank {rank}")
