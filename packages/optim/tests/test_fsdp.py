@@ -1,9 +1,28 @@
 """FSDP2 (`apply_fsdp2`) at dp=2 vs one process on the concatenated batch, torch AdamW.
 
-Tolerances: fp32 2e-5 absolute/relative (the reduce-scatter sums in another order than one
-process); bf16 compute (`param_dtype=torch.bfloat16`, fp32 sharded params and fp32
-reduce-scatter) vs the fp32 run 3e-2. Layer sizes are odd, so FSDP2 pads its shards.
+Every step of every case compares the grads FSDP2 reduce-scattered (the ranks' shards
+joined) with plain torch autograd of the whole batch at the same params, and the final
+params with one process trained on the whole batch. Adam is scale-invariant, so the params
+alone would pass a gradient scaled by a constant; the grads do not
+(`test_a_planted_bug_fails_the_comparison`). Layer sizes are odd, so FSDP2 pads its shards.
+
+Tolerances, about 10x the largest error measured on 2026-12-05 (both ranks, every case and
+step; PENTATRON_MEASURE=1 prints them):
+- fp32: grads GRAD_RTOL = 2e-6 as max |got - ref| / max |ref| of the param (measured
+  1.9e-7); params PARAM_TOL = 3e-7 absolute and relative (measured 3.0e-8 absolute).
+- bf16 compute (`param_dtype=torch.bfloat16`, fp32 sharded params and fp32 reduce-scatter)
+  vs fp32 at the same params: grads BF16_GRAD_RTOL = 0.2 (measured 3.6e-2, bf16 compute;
+  5.5x); params vs the fp32 reference BF16_PARAM_TOL = 5e-3 (measured 5.2e-4); every param
+  must have moved from its initial value by more than 3 x BF16_PARAM_TOL (measured at least
+  2.3e-2), so an untrained run fails.
+- FSDP2Optimizer (fp32, clipping every step): grad norms before clipping NORM_RTOL = 1e-6
+  (measured 0: bit-equal here; 1e-6 allows another summation order), params PARAM_TOL
+  (measured 3.0e-8).
 """
+
+import contextlib
+import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +32,9 @@ from pentatron.optim.distributed.fsdp import FSDP2DataParallel, apply_fsdp2, def
 from pentatron.parallel_state import ParallelConfig, initialize_model_parallel
 
 STEPS, BATCH, LR, WD = 3, 8, 1e-2, 0.1
+GRAD_RTOL, PARAM_TOL, NORM_RTOL = 2e-6, 3e-7, 1e-6
+BF16_GRAD_RTOL, BF16_PARAM_TOL = 0.2, 5e-3
+MEASURE = os.environ.get("PENTATRON_MEASURE") == "1"
 
 
 class Block(torch.nn.Module):
@@ -60,6 +82,26 @@ def reference():
     return [p.detach().clone() for p in model.parameters()]
 
 
+def reference_grads(params, step):
+    """Plain torch: fp32 autograd of the whole batch's mean loss at `params` (a list)."""
+    model = make_model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    x, y = batch(step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def microbatch_loss(loss, micro):
+    """A micro-batch's share of the step's loss: the mean over micro-batches."""
+    return loss / micro
+
+
+def _local(tensors):
+    return [t.to_local().detach().float().clone() for t in tensors]
+
+
 def run_fsdp(case, grid):
     d, r = grid.size("dp"), grid.rank("dp")
     # Different seeds per rank: apply_fsdp2 broadcasts dp rank 0's params first.
@@ -73,23 +115,71 @@ def run_fsdp(case, grid):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     micro = case.get("micro", 1)
     synced_early = False
-    for step in range(STEPS):
+    # this rank's shards, joined over the ranks by the test: params before each step,
+    # the reduced grads of each step
+    before, grads = [], []
+    for step in range(case.get("steps", STEPS)):
+        before.append(_local(model.parameters()))
         x, y = batch(step)
         xs, ys = x.chunk(d)[r].chunk(micro), y.chunk(d)[r].chunk(micro)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             ctx = model.no_sync() if i < micro - 1 else torch.enable_grad()
             with ctx:
                 out = model(xm).float()
-                (torch.nn.functional.mse_loss(out, ym) / micro).backward()
+                microbatch_loss(torch.nn.functional.mse_loss(out, ym), micro).backward()
             if i < micro - 1:  # no reduce-scatter yet: the sharded grads are not written
                 synced_early |= any(p.grad is not None for p in model.parameters())
         model.finish_grad_sync()
+        grads.append(_local(p.grad for p in model.parameters()))
         opt.step()
         model.zero_grad_buffer()
     local = [p.to_local().numel() for p in model.parameters()]
-    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    # our shards, joined by the test: DTensor.full_tensor fails in a later run in the same
+    # worker (it caches its redistribution by mesh ranks; see `_gather_rows`)
+    final = _local(model.parameters())
     kinds = {type(p).__name__ for p in model.parameters()}
-    return {"params": full, "local": local, "kinds": kinds, "synced_early": synced_early}
+    return {
+        "params": final,
+        "local": local,
+        "kinds": kinds,
+        "synced_early": synced_early,
+        "before": before,
+        "grads": grads,
+    }
+
+
+def _joined(shards_per_rank):
+    """Full tensors from each rank's list of dim-0 shards (in rank order)."""
+    return [torch.cat(shards) for shards in zip(*shards_per_rank)]
+
+
+def check_against_reference(case, per_rank, ref, errors=None):
+    """Raise AssertionError where the run of `case` (every rank's result) leaves the
+    tolerances: each step's joined grads vs autograd at the joined params, final params."""
+    bf16 = case.get("param_dtype") == torch.bfloat16
+    grad_rtol = BF16_GRAD_RTOL if bf16 else GRAD_RTOL
+    param_tol = BF16_PARAM_TOL if bf16 else PARAM_TOL
+    errors = {} if errors is None else errors
+    for step in range(len(per_rank[0]["grads"])):
+        expect = reference_grads(_joined(got["before"][step] for got in per_rank), step)
+        grads = _joined(got["grads"][step] for got in per_rank)
+        for i, (grad, ref_grad) in enumerate(zip(grads, expect)):
+            err = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
+            errors["grad"] = max(errors.get("grad", 0.0), err)
+            if err > grad_rtol:
+                raise AssertionError(
+                    f"grads differ: {case} step {step} param {i}: max |got - ref| / "
+                    f"max |ref| = {err:.3g} > {grad_rtol}"
+                )
+    if ref is None:  # a short run: grads only
+        return errors
+    final = _joined(got["params"] for got in per_rank)
+    for a, b in zip(final, ref):
+        errors["param"] = max(errors.get("param", 0.0), float((a - b).abs().max()))
+        torch.testing.assert_close(
+            a, b, atol=param_tol, rtol=param_tol, msg=f"params differ: {case}"
+        )
+    return errors
 
 
 CASES = [
@@ -102,13 +192,24 @@ CASES = [
 def test_fsdp2_matches_single_process(distributed):
     ref = reference()
     results = distributed.run(2, run_fsdp_cases, CASES)
+    measured = {"fp32": {}, "bf16": {}}
+    for i, case in enumerate(CASES):
+        per_rank = [per_case[i] for per_case in results]
+        bf16 = case.get("param_dtype") == torch.bfloat16
+        check_against_reference(case, per_rank, ref, measured["bf16" if bf16 else "fp32"])
+        if bf16:  # it trained: every param moved by much more than the tolerance
+            init = _joined(got["before"][0] for got in per_rank)
+            final = _joined(got["params"] for got in per_rank)
+            for j, (a, b) in enumerate(zip(final, init)):
+                moved = float((a - b).abs().max())
+                measured["bf16"]["moved"] = min(measured["bf16"].get("moved", 1.0), moved)
+                assert moved > 3 * BF16_PARAM_TOL, f"{case} param {j} moved {moved}"
+    if MEASURE:
+        print(f"\nmeasured max errors: {measured}")
     for rank, per_case in enumerate(results):
-        for case, got in zip(CASES, per_case):
-            tol = 3e-2 if case.get("param_dtype") == torch.bfloat16 else 2e-5
+        for got in per_case:
             assert got["kinds"] == {DTensor.__name__}
             assert not got["synced_early"]
-            for a, b in zip(got["params"], ref):
-                torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=f"{case} rank {rank}")
             # each rank keeps ceil(n/2) rows of every param (dim 0 sharded, padded)
             assert got["local"] == [
                 -(-p.shape[0] // 2) * p[0].numel()
@@ -116,13 +217,64 @@ def test_fsdp2_matches_single_process(distributed):
                 else (p.shape[0] - (-(-p.shape[0] // 2))) * p[0].numel()
                 for p in ref
             ]
-    bf16 = results[0][2]["params"]
+    bf16 = _joined(per_case[2]["params"] for per_case in results)
     assert any(not torch.equal(a, b) for a, b in zip(bf16, ref))  # bf16 compute did happen
 
 
-def run_fsdp_cases(cases):
+def run_fsdp_cases(cases, plant=None):
     grid = initialize_model_parallel(ParallelConfig())
-    return [run_fsdp(case, grid) for case in cases]
+    with _planted(plant):
+        return [run_fsdp(case, grid) for case in cases]
+
+
+# Bugs the comparison must see, each planted in the real code for one run:
+#   grad_x2 / grad_x0.5: every reduced grad scaled (by `finish_grad_sync`);
+#   no_microbatch_average: the 1/micro-batches factor dropped from the loss;
+#   dp_sum: FSDP2's reduce-scatter sums over dp instead of averaging.
+PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
+
+
+def _planted(plant):
+    """A context that plants `plant` (one of PLANTS) by patching the code that owns it."""
+    from unittest import mock
+
+    from pentatron.optim.distributed import fsdp
+
+    if plant is None:
+        return contextlib.nullcontext()
+    if plant in ("grad_x2", "grad_x0.5"):
+        factor = 2.0 if plant == "grad_x2" else 0.5
+        return mock.patch.object(
+            FSDP2DataParallel, "finish_grad_sync", lambda self: self.scale_gradients(factor)
+        )
+    if plant == "no_microbatch_average":
+        return mock.patch.object(sys.modules[__name__], "microbatch_loss", lambda loss, m: loss)
+    if plant == "dp_sum":
+        shard = fsdp.fully_shard
+
+        def summing(module, **kw):
+            out = shard(module, **kw)
+            out.set_gradient_divide_factor(1.0)  # with plain SUM (gloo has no PREMUL_SUM)
+            out.set_force_sum_reduction_for_comms(True)
+            return out
+
+        return mock.patch.object(fsdp, "fully_shard", summing)
+    raise ValueError(f"plant {plant!r}: one of {PLANTS}")
+
+
+PLANT_CASE = dict(reshard=False, micro=2, steps=1)
+
+
+@pytest.mark.parametrize("plant", [None, *PLANTS])
+def test_a_planted_bug_fails_the_comparison(distributed, plant):
+    """None: the same short run without a bug passes, so each failure is the bug's (one
+    step: its grads are compared, not the final params)."""
+    per_rank = [r[0] for r in distributed.run(2, run_fsdp_cases, [PLANT_CASE], plant)]
+    if plant is None:
+        check_against_reference(PLANT_CASE, per_rank, None)
+        return
+    with pytest.raises(AssertionError, match="grads differ"):
+        check_against_reference(PLANT_CASE, per_rank, None)
 
 
 def test_default_blocks_are_module_list_children():
@@ -195,15 +347,23 @@ def _gather_rows(model, grid):
 
 
 def test_fsdp2_optimizer_clips_by_the_global_norm(distributed):
-    """Parity (fp32, 2e-5): grad norm over the dp shards, clipping and wd groups."""
+    """Parity (fp32): grad norm over the dp shards before clipping (it carries the grads'
+    scale, which clipping every step hides from the params), clipping and wd groups."""
     ref_params, ref_norms = reference_clipped()
+    norm_err = param_err = 0.0
     for got in distributed.run(2, run_fsdp_optimizer):
         assert got["attrs"] == (True, True)
-        assert got["norms"] == pytest.approx(ref_norms, rel=2e-5)
+        norm_err = max(norm_err, *(abs(a / b - 1) for a, b in zip(got["norms"], ref_norms)))
+        param_err = max(
+            param_err, *(float((a - b).abs().max()) for a, b in zip(got["params"], ref_params))
+        )
+        assert got["norms"] == pytest.approx(ref_norms, rel=NORM_RTOL)
         assert all(n > CLIP for n in ref_norms)  # clipping was active
         assert got["zeros"] == [0] * STEPS
         for a, b in zip(got["params"], ref_params):
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(a, b, atol=PARAM_TOL, rtol=PARAM_TOL)
+    if MEASURE:
+        print(f"\nFSDP2Optimizer measured max errors: norm {norm_err}, param {param_err}")
 
 
 def test_fsdp2_optimizer_refuses_fp16_and_distributed_optimizer():
