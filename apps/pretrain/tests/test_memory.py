@@ -366,6 +366,7 @@ def _hf(tmp_path, capsys, cfg: dict, *flags: str) -> int:
 
 def _hf_model_params(cfg: dict) -> int:
     import transformers  # the test extra has it: an independent reference, not a dependency
+
     AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
     return sum(p.numel() for p in model.parameters())
