@@ -145,9 +145,10 @@ def _args(*flags: str, world: int = 1):
     return validate_args(parse_args([*BASE, *flags]), world)
 
 
-def test_exit_signal_handler_on_by_default_and_off_with_no_flag():
+def test_exit_signal_handler_catches_only_with_the_flag():
+    """Megatron's default: off (the signals keep their default action)."""
     before = signal.getsignal(signal.SIGTERM)
-    catcher = signal_catcher(_args())
+    catcher = signal_catcher(_args("--exit-signal-handler"))
     try:
         assert signal.getsignal(signal.SIGTERM) == catcher._handle
         signal.raise_signal(signal.SIGTERM)
@@ -155,8 +156,8 @@ def test_exit_signal_handler_on_by_default_and_off_with_no_flag():
     finally:
         catcher.restore()
     assert signal.getsignal(signal.SIGTERM) == before
-    assert _args("--exit-signal-handler").exit_signal_handler is True
-    catcher = signal_catcher(_args("--no-exit-signal-handler"))
+    assert _args().exit_signal_handler is False
+    catcher = signal_catcher(_args())
     try:
         assert signal.getsignal(signal.SIGTERM) == before
         assert signal.getsignal(signal.SIGINT) != catcher._handle

@@ -127,7 +127,7 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
     from pentatron.pretrain.checkpointing import read_latest_iteration
 
     save = str(tmp_path / "ckpt")
-    proc = _torchrun(["--train-iters", "100000", "--save", save])
+    proc = _torchrun(["--train-iters", "100000", "--save", save, "--exit-signal-handler"])
     lines = _wait_for_line(proc, r"iteration\s+3/")
     workers = _children(proc.pid)
     assert len(workers) == 2, workers

@@ -203,11 +203,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument(
         "--exit-signal-handler",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on SIGTERM/SIGINT finish the iteration, save (with --save) and exit 0; on by "
-        "default here, as docs/launch.md documents (Megatron's default is off); "
-        "--no-exit-signal-handler leaves the signals' default action",
+        action="store_true",
+        help="on SIGTERM/SIGINT finish the iteration, save (with --save) and exit 0 "
+        "(Megatron's flag and default: off, the signals keep their default action)",
     )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--eval-interval", type=int, default=1000)

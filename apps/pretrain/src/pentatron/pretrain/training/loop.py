@@ -2,7 +2,7 @@
 
 Exit conditions (each agreed by every rank, so all stop at the same iteration): train_iters
 reached, --exit-interval, --exit-duration-in-mins, and SIGTERM / SIGINT (torchrun forwards
-them to every worker; caught unless --no-exit-signal-handler); the last three save a
+them to every worker; caught with --exit-signal-handler); the last three save a
 checkpoint first when --save is set. A NaN or Inf loss stops the run before the optimizer
 step (the last checkpoint stays intact) or, with --on-nan-loss skip, skips that step on
 every rank. With --async-save a background write is published at the first iteration end
@@ -54,9 +54,8 @@ class SignalCatcher:
 
 
 def signal_catcher(args) -> SignalCatcher:
-    """SIGTERM / SIGINT caught with --exit-signal-handler (the default here), else none:
-    the signals keep their default action (the process dies mid-step, as Megatron's without
-    the flag)."""
+    """SIGTERM / SIGINT caught with --exit-signal-handler, else none: the signals keep their
+    default action (the process dies mid-step, as Megatron's without the flag)."""
     return SignalCatcher() if args.exit_signal_handler else SignalCatcher(signals=())
 
 
