@@ -244,9 +244,13 @@ def _planted(plant):
         return contextlib.nullcontext()
     if plant in ("grad_x2", "grad_x0.5"):
         factor = 2.0 if plant == "grad_x2" else 0.5
-        return mock.patch.object(
-            FSDP2DataParallel, "finish_grad_sync", lambda self: self.scale_gradients(factor)
-        )
+        finish = FSDP2DataParallel.finish_grad_sync
+
+        def finish_scaled(self):
+            finish(self)
+            self.scale_gradients(factor)
+
+        return mock.patch.object(FSDP2DataParallel, "finish_grad_sync", finish_scaled)
     if plant == "no_microbatch_average":
         return mock.patch.object(sys.modules[__name__], "microbatch_loss", lambda loss, m: loss)
     if plant == "dp_sum":
