@@ -120,6 +120,14 @@ def test_config_mapping_both_ways():
     assert config_from_hf(old)[0] == config
 
 
+def test_config_overrides_win_over_the_mapped_fields():
+    """`overrides` may name a field the mapping sets (dropout for fine-tuning); it wins
+    (it raised "got multiple values for keyword argument")."""
+    config = config_from_hf(llama_config(), hidden_dropout=0.1, qk_layernorm=True)[0]
+    assert config.hidden_dropout == 0.1 and config.qk_layernorm
+    assert config_from_hf(llama_config(), sequence_parallel=True)[0].hidden_dropout == 0.0
+
+
 def test_config_to_hf_builds_a_llama_config():
     transformers = pytest.importorskip("transformers")
     from pentatron.models.hf import config_to_hf

@@ -187,7 +187,7 @@ def config_from_hf(
         )
     heads = d["num_attention_heads"]
     theta, scaling, partial = _rope(d)
-    config = TransformerConfig(
+    fields: dict[str, Any] = dict(
         num_layers=d["num_hidden_layers"],
         hidden_size=d["hidden_size"],
         num_attention_heads=heads,
@@ -210,8 +210,9 @@ def config_from_hf(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        **{**arch_kw, **overrides},
     )
+    # An override may name a field set above (hidden_dropout for fine-tuning): it wins.
+    config = TransformerConfig(**{**fields, **arch_kw, **overrides})
     extras = {k: d[k] for k in _EXTRA_FIELDS if k in d}
     return config, int(d["vocab_size"]), int(d.get("max_position_embeddings", 2048)), extras
 
