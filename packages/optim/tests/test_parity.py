@@ -21,6 +21,12 @@ every case, rank and step; rerun with PENTATRON_MEASURE=1 to print them):
   = 1e-2 (measured 3.9e-3; 2.6x). Every bf16 param must have moved from its initial value
   by more than 3 x BF16_PARAM_TOL (measured at least 3.9e-2), so an untrained run, or one
   at half the learning rate, fails.
+- fp16 (fp16 params and compute, dynamic loss scale 2^12, fp32 grad reduction and main
+  params, distributed optimizer, 2 micro-batches) vs fp32: grads FP16_GRAD_RTOL = 1e-2
+  (measured 2.0e-3; 5x), grad norms FP16_NORM_RTOL = 1e-3 (measured 1.5e-4; 6.6x), params
+  FP16_PARAM_TOL = 3e-3 (measured 4.5e-4; 6.7x); the grads compared are the reduced ones
+  divided by the loss scale, every step ran at scale 2^12 (none skipped), and every param
+  moved by more than 3 x FP16_PARAM_TOL (measured at least 4.1e-2).
 """
 
 import contextlib
@@ -42,6 +48,7 @@ from pentatron.parallel_state import ParallelConfig, comm, initialize_model_para
 STEPS, BATCH, LR, WD, CLIP = 5, 16, 1e-2, 0.1, 1.0
 GRAD_RTOL, NORM_RTOL, PARAM_TOL = 2e-6, 1e-6, 3e-7
 BF16_GRAD_RTOL, BF16_NORM_RTOL, BF16_PARAM_TOL = 0.1, 1e-2, 1e-2
+FP16_GRAD_RTOL, FP16_NORM_RTOL, FP16_PARAM_TOL = 1e-2, 1e-3, 3e-3
 MEASURE = os.environ.get("PENTATRON_MEASURE") == "1"  # print the measured errors
 
 
@@ -119,6 +126,8 @@ def build(case, grid):
         weight_decay=WD,
         clip_grad=CLIP,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        initial_loss_scale=2.0**12,  # fp16 only: the scale the loss is multiplied by
         use_distributed_optimizer=case.get("dist_opt", False),
     )
     return model, get_optimizer(opt_cfg, [model], grid=grid)
@@ -138,7 +147,8 @@ def optimizer_grads(model, opt):
         buffer = model.param_to_buffer[mp.model_param]
         start, _ = buffer.param_range[mp.model_param]
         at = (mp.grad.data_ptr() - buffer.grad_data.data_ptr()) // buffer.grad_data.element_size()
-        out.append((index[mp.model_param], at - start, mp.grad.detach().float().clone()))
+        grad = mp.grad.detach().float() / opt.get_loss_scale()  # fp16: the scaled grad
+        out.append((index[mp.model_param], at - start, grad))
     return out
 
 
@@ -152,7 +162,7 @@ def train_step(model, opt, grid, step, micro, dtype, ledgers=None, grads=None):
             ctx = torch.enable_grad() if last else model.no_sync()
             with ctx:
                 loss = torch.nn.functional.mse_loss(model(xm).float(), ym.float())
-                microbatch_loss(loss, micro).backward()
+                opt.scale_loss(microbatch_loss(loss, micro)).backward()
             if last:
                 finalize_model_grads([model], grid=grid)
         if ledgers is not None:
@@ -210,26 +220,34 @@ def run_cases(cases, steps=STEPS, plant=None):
             model, opt = build(case, grid)
             dtype = case.get("dtype", torch.float32)
             init = [p.detach().float().clone() for p in model.module.parameters()]
-            params, ledgers, grads, norms = [], [], [], []
+            params, ledgers, grads, norms, scales = [], [], [], [], []
             for step in range(steps):
                 result = train_step(
                     model, opt, grid, step, case.get("micro", 1), dtype, ledgers, grads
                 )
                 norms.append(result.grad_norm)
+                scales.append(result.loss_scale)
                 model.finish_param_sync()
                 params.append([p.detach().float().clone() for p in model.module.parameters()])
             out.append(
-                {"init": init, "params": params, "ledgers": ledgers, "grads": grads, "norms": norms}
+                {
+                    "init": init,
+                    "params": params,
+                    "ledgers": ledgers,
+                    "grads": grads,
+                    "norms": norms,
+                    "scales": scales,
+                }
             )
     return out
 
 
 def check_against_reference(case, got, ref, what, errors=None):
     """Raise AssertionError where `got` (one rank's run of `case`) leaves the tolerances."""
-    bf16 = case.get("dtype") == torch.bfloat16
-    grad_rtol = BF16_GRAD_RTOL if bf16 else GRAD_RTOL
-    norm_rtol = BF16_NORM_RTOL if bf16 else NORM_RTOL
-    param_tol = BF16_PARAM_TOL if bf16 else PARAM_TOL
+    grad_rtol, norm_rtol, param_tol = {
+        torch.bfloat16: (BF16_GRAD_RTOL, BF16_NORM_RTOL, BF16_PARAM_TOL),
+        torch.float16: (FP16_GRAD_RTOL, FP16_NORM_RTOL, FP16_PARAM_TOL),
+    }.get(case.get("dtype"), (GRAD_RTOL, NORM_RTOL, PARAM_TOL))
     errors = {} if errors is None else errors
     for step in range(len(got["params"])):
         before = got["init"] if step == 0 else got["params"][step - 1]
@@ -272,6 +290,7 @@ CASES = [
     dict(dist_opt=True, overlap=True, bucket_size=150, overlap_param_gather=True),
     dict(dtype=torch.bfloat16),
     dict(dtype=torch.bfloat16, dist_opt=True, overlap=True, bucket_size=300),
+    dict(dtype=torch.float16, dist_opt=True, overlap=True, bucket_size=300, micro=2),
 ]
 
 
@@ -283,18 +302,21 @@ def ref():
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_with_single_process(distributed, ref, world):
     results = distributed.run(world, run_cases, CASES)
-    measured = {"fp32": {}, "bf16": {}}
+    measured: dict = {"fp32": {}, "bf16": {}, "fp16": {}}
     for case_index, case in enumerate(CASES):
-        bf16 = case.get("dtype") == torch.bfloat16
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(case.get("dtype"), "fp32")
         for rank in range(world):
             got = results[rank][case_index]
             what = f"{case} rank {rank}"
-            check_against_reference(case, got, ref, what, measured["bf16" if bf16 else "fp32"])
-            if bf16:  # it trained: every param moved by much more than the tolerance
+            check_against_reference(case, got, ref, what, measured[kind])
+            if kind == "fp16":  # the loss was scaled, and no step overflowed
+                assert got["scales"] == [2.0**12] * STEPS, (what, got["scales"])
+            if kind != "fp32":  # it trained: every param moved by much more than the tolerance
+                tol = BF16_PARAM_TOL if kind == "bf16" else FP16_PARAM_TOL
                 for i, (a, b) in enumerate(zip(got["params"][-1], got["init"])):
                     moved = float((a - b).abs().max())
-                    measured["bf16"]["moved"] = min(measured["bf16"].get("moved", 1.0), moved)
-                    assert moved > 3 * BF16_PARAM_TOL, f"{what} param {i} moved {moved}"
+                    measured[kind]["moved"] = min(measured[kind].get("moved", 1.0), moved)
+                    assert moved > 3 * tol, f"{what} param {i} moved {moved}"
             micro = case.get("micro", 1)
             # grad accumulation: only the last micro-batch of each step communicates
             ledgers = got["ledgers"]
