@@ -348,3 +348,23 @@ def test_a_planted_bug_fails_the_comparison(distributed, ref, plant):
             continue
         with pytest.raises(AssertionError, match="grads differ"):
             check_against_reference(PLANT_CASE, got, ref, f"{plant} rank {rank}")
+
+
+def _build_with_wrong_dtype(flag):
+    from pentatron.optim import OptimConfigError
+
+    grid = initialize_model_parallel(ParallelConfig())
+    model = DistributedDataParallel(DDPConfig(), make_model(), grid=grid)  # fp32 params
+    try:
+        get_optimizer(OptimizerConfig(**{flag: True}), [model], grid=grid)
+    except OptimConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_bf16_or_fp16_refuses_a_model_of_another_dtype(distributed, flag):
+    """bf16=True / fp16=True are read: fp32 params under them fail before training."""
+    message = distributed.run(1, _build_with_wrong_dtype, flag)[0]
+    assert message is not None and f"{flag}=True" in message and "torch.float32" in message
+    assert "fix" in message

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from pentatron.parallel_state import ProcessGrid
 
 from ..distributed.ddp import DistributedDataParallel
@@ -48,6 +50,26 @@ def get_optimizer(
                 f"{chunk.config.use_distributed_optimizer})",
                 "set the same value in both",
             )
+    _check_model_dtype(config, ddp_chunks)
     groups = get_param_groups(ddp_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
     cls = DistributedOptimizer if config.use_distributed_optimizer else MixedPrecisionOptimizer
     return cls(config, ddp_chunks, groups, grid=grid, stats_groups=stats_groups)
+
+
+def _check_model_dtype(config: OptimizerConfig, chunks: Sequence[DistributedDataParallel]) -> None:
+    """bf16=True / fp16=True say what the model params are (Megatron's flags): a param of
+    another dtype is refused, so a model that was never cast cannot train in fp32 silently
+    (or in bf16 with fp16's loss scaling)."""
+    want = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+    if want is None:
+        return
+    for chunk in chunks:
+        for name, p in chunk.module.named_parameters():
+            if p.requires_grad and p.dtype != want:
+                flag = "bf16" if config.bf16 else "fp16"
+                raise config_error(
+                    flag,
+                    True,
+                    f"the model's params must be {want}, but {name!r} is {p.dtype}",
+                    f"cast the model (`module.to({want})`) before DDP, or set {flag}=False",
+                )
