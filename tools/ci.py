@@ -26,17 +26,13 @@ def summary(report: dict, wall: float) -> tuple[list[str], list[str]]:
     lines = [f"{'session':<32} {'result':<8} {'seconds':>8}"]
     failed = []
     for s in report.get("sessions", []):
-        name = s["name"] if not s.get("args") else _friendly(s)
+        # the name a user types after `nox -s`: `tests(parallel-state)`, `lint`
+        name = (s.get("signatures") or [s["name"]])[-1]
         lines.append(f"{name:<32} {s['result']:<8} {s['duration']:>8.0f}")
         if s["result"] not in ("success", "skipped"):
             failed.append(name)
     lines.append(f"{'total (wall)':<32} {'':<8} {wall:>8.0f}")
     return lines, failed
-
-
-def _friendly(session: dict) -> str:
-    """`tests(parallel-state)`: the name a user types after `nox -s`."""
-    return session["signatures"][-1] if session.get("signatures") else session["name"]
 
 
 def main(argv: list[str]) -> int:
