@@ -276,9 +276,13 @@ def test_tflops_per_device_matches_a_hand_count_of_the_gemms(tmp_path):
 
     L, h, heads, s, V, b = 2, 64, 4, 32, 128, 8
     config = TransformerConfig(num_layers=L, hidden_size=h, num_attention_heads=heads)
-    # forward FLOPs, 2 per multiply-add: QKV (h -> 3h), scores and values (2 x s^2 h),
-    # output projection (h -> h), MLP (h -> 4h -> h), logits (h -> V); backward = 2x forward.
-    per_layer = 2 * s * h * 3 * h + 2 * (2 * s * s * h) + 2 * s * h * h + 2 * (2 * s * h * 4 * h)
+    # forward FLOPs, 2 per multiply-add: QKV (h -> 3h), scores and values (2 x s^2 h, of
+    # which the causal mask keeps half, as Megatron counts them), output projection (h -> h),
+    # MLP (h -> 4h -> h), logits (h -> V); backward = 2x forward.
+    causal_pairs = s * s // 2
+    per_layer = (
+        2 * s * h * 3 * h + 2 * (2 * causal_pairs * h) + 2 * s * h * h + 2 * (2 * s * h * 4 * h)
+    )
     forward = b * (L * per_layer + 2 * s * h * V)
     hand = 3 * forward
     flops = num_floating_point_operations(config, s, V, batch_size=b)

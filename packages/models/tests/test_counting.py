@@ -1,5 +1,12 @@
-"""Parameter count = sum of the model's tensor sizes; FLOPs = Megatron's closed form,
-checked against an independent per-GEMM count."""
+"""Parameter count = sum of the model's tensor sizes; FLOPs = Megatron-LM's current closed form
+(training.py `transformer_flops`, commit d98e8a64), each expected number written out here
+term by term from the model shape, and checked against an independent per-GEMM count.
+
+Megatron's terms per token, 6 = 3 GEMMs per weight (forward, dgrad, wgrad) x 2 FLOPs per
+multiply-add: attention projections 6 (h (q + 2 kv) + q h) per layer; core attention 6 q s
+per layer (q k^T and p v, 2 q s^2 multiply-adds, half of them under the causal mask); MLP
+6 h f x 2 (3 with SwiGLU); a MoE layer 6 h (topk f_moe + f_shared) x 2 (or 3); logits 6 h V.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from pentatron.models import (
     flops_per_token,
     get_gpt_layer_local_spec,
     num_floating_point_operations,
+    num_floating_point_operations_per_rank,
     num_parameters,
     num_parameters_in_model,
 )
@@ -48,12 +56,13 @@ def test_parameter_count_equals_sum_of_tensor_sizes(kw):
 
 
 def _gemm_flops(c, s, vocab):
-    """Forward GEMM FLOPs of one sequence, times 3 (forward, dgrad, wgrad)."""
+    """Forward GEMM FLOPs of one sequence, times 3 (forward, dgrad, wgrad); the causal
+    scores as Megatron counts them: s^2 / 2 (query, key) pairs."""
     d, nq, ng, h = c.kv_channels, c.num_attention_heads, c.num_query_groups, c.hidden_size
     fc1 = c.ffn_hidden_size * (2 if c.gated_linear_unit else 1)
     per_layer = (
         2 * s * h * (nq + 2 * ng) * d  # linear_qkv
-        + 2 * s * s * nq * d * 2  # q k^T and p v
+        + 2 * (s * s // 2) * nq * d * 2  # q k^T and p v over the causal half
         + 2 * s * nq * d * h  # linear_proj
         + 2 * s * h * fc1
         + 2 * s * c.ffn_hidden_size * h  # fc1, fc2
@@ -67,3 +76,245 @@ def test_flops_match_independent_gemm_count(kw):
     got = num_floating_point_operations(config, 24, 128, batch_size=2)
     assert got == pytest.approx(2 * _gemm_flops(config, 24, 128), rel=1e-12)
     assert flops_per_token(config, 24, 128) == pytest.approx(got / 48, rel=1e-12)
+
+
+# --- one case per term: small shapes, h=64, 4 layers, s=32, V=256 -----------------------
+
+L, H, S, V = 4, 64, 32, 256
+
+
+def test_dense_mha():
+    config = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=4)
+    d, f = 16, 4 * H  # kv_channels = h / heads; ffn = 4h
+    q = kv = 4 * d  # MHA: 4 query heads, 4 key/value heads
+    attn = 6 * (H * (q + kv + kv) + q * H)
+    core = 6 * q * S
+    mlp = 6 * H * f * 2
+    logits = 6 * H * V
+    expected = 3 * S * (L * (attn + core + mlp) + logits)
+    assert num_floating_point_operations(config, S, V, batch_size=3) == pytest.approx(expected)
+    assert flops_per_token(config, S, V) == pytest.approx(expected / (3 * S))
+
+
+def test_gqa():
+    config = TransformerConfig(
+        num_layers=L, hidden_size=H, num_attention_heads=8, num_query_groups=2, kv_channels=16
+    )
+    q, kv, f = 8 * 16, 2 * 16, 4 * H
+    attn = 6 * (H * (q + kv + kv) + q * H)
+    core = 6 * q * S
+    expected = S * (L * (attn + core + 6 * H * f * 2) + 6 * H * V)
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected)
+    mha = TransformerConfig(
+        num_layers=L, hidden_size=H, num_attention_heads=8, num_query_groups=8, kv_channels=16
+    )
+    fewer_kv = S * L * 6 * H * 2 * (8 - 2) * 16  # k and v projections of 6 fewer groups
+    assert num_floating_point_operations(mha, S, V) - expected == pytest.approx(fewer_kv)
+
+
+def test_swiglu_counts_three_mlp_gemms():
+    kw = dict(num_layers=L, hidden_size=H, num_attention_heads=4, ffn_hidden_size=96)
+    gelu = TransformerConfig(**kw)
+    swiglu = TransformerConfig(activation="swiglu", **kw)
+    q = kv = H
+    attn = 6 * (H * (q + 2 * kv) + q * H) + 6 * q * S
+    logits = 6 * H * V
+    expected_gelu = S * (L * (attn + 6 * H * 96 * 2) + logits)  # fc1 h->f, fc2 f->h
+    expected_swiglu = S * (L * (attn + 6 * H * 96 * 3) + logits)  # fc1 h->2f, fc2 f->h
+    assert num_floating_point_operations(gelu, S, V) == pytest.approx(expected_gelu)
+    assert num_floating_point_operations(swiglu, S, V) == pytest.approx(expected_swiglu)
+
+
+def _moe(**kw):
+    base = dict(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        activation="swiglu",
+        add_bias_linear=False,
+        num_moe_experts=8,
+    )
+    return TransformerConfig(**(base | kw))
+
+
+# attention + logits of the shapes `_moe` builds (h=64, MHA, 4 heads of 16)
+_MOE_ATTN = 6 * (H * (H + 2 * H) + H * H) + 6 * H * S
+_MOE_LOGITS = 6 * H * V
+
+
+def test_moe_topk_one_two_and_dense_differ():
+    dense = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        activation="swiglu",
+        add_bias_linear=False,
+    )
+    expected = {
+        "dense": S * (L * (_MOE_ATTN + 6 * H * 128 * 3) + _MOE_LOGITS),
+        "top1": S * (L * (_MOE_ATTN + 6 * H * 1 * 128 * 3) + _MOE_LOGITS),
+        "top2": S * (L * (_MOE_ATTN + 6 * H * 2 * 128 * 3) + _MOE_LOGITS),
+    }
+    got = {
+        "dense": num_floating_point_operations(dense, S, V),
+        "top1": num_floating_point_operations(_moe(moe_router_topk=1), S, V),
+        "top2": num_floating_point_operations(_moe(moe_router_topk=2), S, V),
+    }
+    assert got == pytest.approx(expected)
+    assert got["top1"] == pytest.approx(got["dense"])  # one expert of the dense size
+    assert got["top2"] - got["top1"] == pytest.approx(S * L * 6 * H * 128 * 3)
+
+
+def test_moe_expert_ffn_size():
+    config = _moe(moe_router_topk=2, moe_ffn_hidden_size=32)
+    routed = 6 * H * 2 * 32 * 3  # topk x moe_ffn_hidden_size, not ffn_hidden_size
+    expected = S * (L * (_MOE_ATTN + routed) + _MOE_LOGITS)
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected)
+
+
+def test_moe_shared_experts():
+    config = _moe(moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=96)
+    routed = 6 * H * 2 * 32 * 3
+    shared = 6 * H * 96 * 3  # every token through the shared expert, SwiGLU
+    expected = S * (L * (_MOE_ATTN + routed + shared) + _MOE_LOGITS)
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected)
+
+
+def test_moe_layer_freq_int():
+    config = _moe(moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=2)
+    moe_layers, dense_layers = 2, 2  # layers 0 and 2 (i % 2 == 0) are MoE
+    expected = S * (
+        L * _MOE_ATTN
+        + dense_layers * 6 * H * 128 * 3
+        + moe_layers * 6 * H * 2 * 32 * 3
+        + _MOE_LOGITS
+    )
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected)
+
+
+def test_moe_layer_freq_list():
+    config = _moe(
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=64,
+        moe_layer_freq=[0, 1, 1, 1],
+    )
+    moe_layers, dense_layers = 3, 1
+    expected = S * (
+        L * _MOE_ATTN
+        + dense_layers * 6 * H * 128 * 3
+        + moe_layers * (6 * H * 2 * 32 * 3 + 6 * H * 64 * 3)
+        + _MOE_LOGITS
+    )
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected)
+
+
+def test_logits_counted_once_tied_or_untied():
+    kw = dict(num_layers=L, hidden_size=H, num_attention_heads=4)
+    tied = TransformerConfig(**kw)
+    untied = TransformerConfig(untie_embeddings_and_output_weights=True, **kw)
+    assert num_floating_point_operations(tied, S, V) == num_floating_point_operations(untied, S, V)
+    bigger = num_floating_point_operations(tied, S, 2 * V) - num_floating_point_operations(
+        tied, S, V
+    )
+    assert bigger == pytest.approx(S * 6 * H * V)  # one h -> V GEMM per token
+
+
+def test_per_rank_is_total_over_tp_pp_cp():
+    config = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+    )
+    total = num_floating_point_operations(config, S, V, batch_size=5)
+    assert num_floating_point_operations_per_rank(config, S, V, 5) == pytest.approx(total / 4)
+
+
+# --- acceptance: published shapes ------------------------------------------------------
+
+
+def test_gpt3_175b():
+    L, h, heads, s, V, f = 96, 12288, 96, 2048, 51200, 4 * 12288
+    config = TransformerConfig(num_layers=L, hidden_size=h, num_attention_heads=heads)
+    q = kv = heads * 128
+    attn = 6 * (h * (q + 2 * kv) + q * h)  # = 24 h^2
+    core = 6 * q * s
+    mlp = 6 * h * f * 2  # GeLU: fc1, fc2
+    per_token = L * (attn + core + mlp) + 6 * h * V
+    assert per_token == 1_061_947_441_152
+    assert flops_per_token(config, s, V) == pytest.approx(per_token, rel=1e-12)
+    got = num_floating_point_operations(config, s, V, batch_size=1)
+    assert got == pytest.approx(s * per_token, rel=1e-12)
+
+
+def _llama3_8b():
+    return TransformerConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        ffn_hidden_size=14336,
+        activation="swiglu",
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+    )
+
+
+def test_llama3_8b():
+    L, h, s, V, f = 32, 4096, 8192, 128256, 14336
+    q, kv = 32 * 128, 8 * 128
+    attn = 6 * (h * (q + 2 * kv) + q * h)
+    core = 6 * q * s
+    mlp = 6 * h * f * 3  # SwiGLU: fc1 h -> 2f, fc2 f -> h
+    per_token = L * (attn + core + mlp) + 6 * h * V
+    assert per_token == 51_470_401_536
+    config = _llama3_8b()
+    assert flops_per_token(config, s, V) == pytest.approx(per_token, rel=1e-12)
+    got = num_floating_point_operations(config, s, V, batch_size=1)
+    assert got == pytest.approx(s * per_token, rel=1e-12)
+
+
+def test_llama3_8b_counts_half_the_causal_scores():
+    """Megatron before core 0.12: 12 b s L h^2 ((1 + ng/nq + s/h) q/h + 1.5 f/h + V/(2Lh)),
+    all s^2 scores; now half. The difference is exactly the other half of the core term."""
+    L, h, s, V, f, nq, ng = 32, 4096, 8192, 128256, 14336, 32, 8
+    q = nq * 128
+    old = 12 * s * L * h * h * ((1 + ng / nq + s / h) * (q / h) + 1.5 * f / h + V / (2 * L * h))
+    new = num_floating_point_operations(_llama3_8b(), s, V)
+    assert old - new == pytest.approx(s * L * 6 * q * s, rel=1e-12)
+    assert old / new == pytest.approx(1.12517, abs=1e-5)  # the old formula read 12.5% high
+
+
+def test_mixtral_8x7b():
+    L, h, s, V, f, k = 32, 4096, 4096, 32000, 14336, 2
+    config = TransformerConfig(
+        num_layers=L,
+        hidden_size=h,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        ffn_hidden_size=f,
+        activation="swiglu",
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        num_moe_experts=8,
+        moe_router_topk=k,
+    )
+    q, kv = 32 * 128, 8 * 128
+    attn = 6 * (h * (q + 2 * kv) + q * h)
+    core = 6 * q * s
+    moe = 6 * h * k * f * 3  # each token through top-2 SwiGLU experts of ffn 14336
+    per_token = L * (attn + core + moe) + 6 * h * V
+    assert per_token == 79_706_456_064
+    assert flops_per_token(config, s, V) == pytest.approx(per_token, rel=1e-12)
+    got = num_floating_point_operations(config, s, V, batch_size=1)
+    assert got == pytest.approx(s * per_token, rel=1e-12)

@@ -2,10 +2,14 @@
 
 `num_parameters` counts the full (tp=1) model from its config; it equals the sum of the
 tensor sizes of the single-process GPTModel. `num_floating_point_operations` is
-Megatron-LM's formula (training.py, dense model): per layer 12 b s h^2 times
-`(1 + ng/nq + s/h) * (nq d / h)` for attention, `(ffn/h) * (3/2 if SwiGLU else 1)` for
-the MLP, plus the logits `V / (2 L h)`; 12 = 3 GEMMs per weight (forward, dgrad, wgrad)
-x 2 GEMMs x 2 FLOPs per multiply-add. Without attention terms it is the familiar 6N.
+Megatron-LM's current formula (training.py `transformer_flops`), 6 = 3 GEMMs per weight
+(forward, dgrad, wgrad) x 2 FLOPs per multiply-add, per token:
+  attention  6 L (h (q + 2 kv) + q h)                      q = nq d, kv = ng d
+  core       6 L q s        (q k^T and p v; the causal mask keeps half of the s^2 scores)
+  MLP        6 h (f g L_dense + (topk f_moe + f_shared) g L_moe)    g = 3 SwiGLU, else 2
+  logits     6 h V          (the output GEMM, tied or not)
+with L_moe the MoE layers of `moe_layer_freq`. Before Megatron core 0.12 the core term
+counted all s^2 scores (12 L q s). Without attention terms it is the familiar 6N.
 `num_floating_point_operations_per_rank` divides the model total by tp * pp * cp.
 """
 
@@ -61,18 +65,69 @@ def num_parameters_in_model(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# 3 GEMMs per weight (forward, dgrad, wgrad) x 2 FLOPs per multiply-add (Megatron's
+# forward_backward_expansion_factor * fma_expansion_factor).
+_FWD_BWD_FMA = 3 * 2
+
+
+def _mlp_kinds(config: TransformerConfig) -> tuple[int, int]:
+    """(dense MLP layers, MoE layers) by `moe_layer_pattern` (moe_layer_freq int or list).
+
+    MTP would add `mtp_num_layers` here, as MoE if the last layer is MoE, else dense;
+    TransformerConfig has no MTP fields yet.
+    """
+    num_moe = sum(config.moe_layer_pattern())
+    return config.num_layers - num_moe, num_moe
+
+
+def _mlp_flops_per_token(config: TransformerConfig) -> int:
+    """Token-linear MLP FLOPs of all layers: dense `f`, routed `topk * moe_f`, shared `f_sh`.
+
+    Each MLP is fc1 (h -> f, or h -> 2f stacked [gate, up] for SwiGLU) and fc2 (f -> h):
+    2 GEMMs of h f, 3 with SwiGLU (Megatron's ffn_expansion_factor; the 1.5x).
+    """
+    assert config.ffn_hidden_size is not None, "TransformerConfig.__post_init__ fills it in"
+    gemms = 3 if config.gated_linear_unit else 2
+    dense_layers, moe_layers = _mlp_kinds(config)
+    dense = config.ffn_hidden_size * gemms * dense_layers
+    moe = 0
+    if moe_layers:
+        # moe_latent_size (routed experts on a latent dim) would change the routed term.
+        routed = config.moe_ffn_size * config.moe_router_topk * gemms
+        shared = (config.moe_shared_expert_intermediate_size or 0) * gemms
+        moe = (routed + shared) * moe_layers
+    return _FWD_BWD_FMA * config.hidden_size * (dense + moe)
+
+
+def _attention_flops_per_layer(config: TransformerConfig) -> tuple[int, int]:
+    """(token-linear FLOPs per token, core FLOPs per s^2) of one self-attention layer.
+
+    Token-linear: linear_qkv (h -> q + 2 kv) and linear_proj (q -> h). Core: q k^T and
+    p v, 2 s^2 q multiply-adds, of which the causal mask keeps half (Megatron core >= 0.12;
+    before, all s^2 were counted). Multi-latent attention would return its own pair here
+    (Megatron's MLA branch); TransformerConfig has no MLA fields yet.
+    """
+    h, q, kv = config.hidden_size, config.query_projection_size, config.kv_projection_size
+    linear = _FWD_BWD_FMA * (h * (q + 2 * kv) + q * h)
+    core = _FWD_BWD_FMA * 2 * q // 2  # q k^T and p v: 2 GEMMs of s^2 q; causal keeps half
+    return linear, core
+
+
 def num_floating_point_operations(
     config: TransformerConfig, seq_length: int, padded_vocab_size: int, batch_size: int = 1
 ) -> float:
-    """FLOPs of one training step (forward + backward) on `batch_size` sequences."""
-    h, L, s = config.hidden_size, config.num_layers, seq_length
-    nq, ng, ffn = config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
-    assert ng is not None and ffn is not None, "TransformerConfig.__post_init__ fills them in"
-    gated = 1.5 if config.gated_linear_unit else 1.0
-    attention = (1 + ng / nq + s / h) * (config.query_projection_size / h)
-    mlp = (ffn / h) * gated
-    logits = padded_vocab_size / (2 * L * h)
-    return 12 * batch_size * s * L * h * h * (attention + mlp + logits)
+    """FLOPs of one training step (forward + backward) on `batch_size` sequences.
+
+    Megatron's `transformer_flops` for equal-length (BSHD) sequences: the token-linear
+    work times `b s` plus the core attention times `b s^2`.
+    """
+    tokens, squared = batch_size * seq_length, batch_size * seq_length * seq_length
+    attn_linear, attn_core = _attention_flops_per_layer(config)
+    # Logits: one h -> V GEMM whether the output layer is tied or not. MTP (no config fields
+    # yet) would add its layers to the attention and MLP counts and one logit GEMM each.
+    logits = _FWD_BWD_FMA * config.hidden_size * padded_vocab_size
+    token_linear = _mlp_flops_per_token(config) + attn_linear * config.num_layers + logits
+    return float(tokens * token_linear + squared * attn_core * config.num_layers)
 
 
 def flops_per_token(config: TransformerConfig, seq_length: int, padded_vocab_size: int) -> float:
