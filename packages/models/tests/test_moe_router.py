@@ -514,7 +514,9 @@ def test_losses_flow_through_full_recompute_and_are_recorded_once() -> None:
     assert router.aux_loss_record.counts["load_balancing_loss"] == 1
 
 
-def test_low_precision_params_route_in_fp32() -> None:
-    router = make_router(params_dtype=torch.bfloat16)
+@pytest.mark.parametrize("router_dtype, want", [(None, torch.bfloat16), ("fp32", torch.float32)])
+def test_low_precision_params_route_in_the_router_dtype(router_dtype, want) -> None:
+    """Megatron's moe_router_dtype: None keeps the input's dtype (see test_moe_router_dtype)."""
+    router = make_router(params_dtype=torch.bfloat16, moe_router_dtype=router_dtype)
     probs, _ = router(hidden().to(torch.bfloat16))
-    assert router.weight.dtype == torch.bfloat16 and probs.dtype == torch.float32
+    assert router.weight.dtype == torch.bfloat16 and probs.dtype == want

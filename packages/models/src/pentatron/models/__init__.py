@@ -42,7 +42,9 @@ from .moe.load_balancing import get_aux_loss_scale, set_aux_loss_scale
 from .moe.router import TopKRouter
 from .norm import LayerNorm, Norm, RMSNorm
 from .parallel import ModelParallel
+from .recompute import CheckpointWithoutOutput
 from .rope import RotaryEmbedding, apply_rotary_pos_emb, rope_inv_freq
+from .sdpa import ATTENTION_BACKENDS, attention_backend_needs_cuda
 from .sharding import (
     ParamSharding,
     global_param_name,
@@ -58,9 +60,12 @@ from .te_spec import HAVE_TE
 from .transformer_block import TransformerBlock, get_layer_offset, get_num_layers_to_build
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__version__ = "0.2.3"
+__version__ = "0.3.0"
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "CheckpointWithoutOutput",
+    "attention_backend_needs_cuda",
     "CudaGraphError",
     "LayerCudaGraphs",
     "cuda_capture",

@@ -22,6 +22,7 @@ from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
 
 from .config import TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
+from .recompute import recompute_now
 from .rope import apply_rotary_pos_emb
 from .sdpa import grouped_sdpa
 from .spec import build_linear, build_module
@@ -82,7 +83,14 @@ class DotProductAttention(torch.nn.Module):
         mask = None if attention_mask is None else ~attention_mask
         with self._dropout_rng(p):
             out = grouped_sdpa(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, scale=self.scale
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=p,
+                is_causal=mask is None,
+                scale=self.scale,
+                attention_backend=self.config.attention_backend,
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -172,7 +180,7 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
-        if self.config.recompute_granularity == "selective" and self.training:
+        if recompute_now(self.config, "core_attn", self.training):
             ctx = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 
 from pentatron.pipeline import PipelineConfigError, StageLayout
 
-from .config_checks import ModelConfigError, check_context_parallel, check_moe, fail
+from .config_checks import (
+    ModelConfigError,
+    check_context_parallel,
+    check_moe,
+    check_recompute_modules,
+    fail,
+)
+from .sdpa import ATTENTION_BACKENDS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -77,6 +84,16 @@ class TransformerConfig:
     (erf) GeLU is kept where Megatron's fused kernel switches to the tanh approximation.
     `apply_query_key_layer_scaling` is accepted for compatibility: with SDPA it changes no
     number (it only rescales inside a fused fp16 softmax in Megatron).
+    `layernorm_zero_centered_gamma` (--apply-layernorm-1p): every norm's weight is stored
+    zero-centred (initialised to 0) and applied as `1 + weight`, LayerNorm and RMSNorm
+    (norm.py); the Hugging Face conversion adds / subtracts the 1.
+    `attention_backend` (--attention-backend): the SDPA kernels core attention may use
+    (sdpa.py; "fused" needs CUDA, `sdpa.attention_backend_needs_cuda`).
+    `recompute_modules` (--recompute-modules): with `recompute_granularity="selective"`, the
+    parts recomputed, Megatron's names: core_attn, mlp, layernorm, moe, moe_act,
+    shared_experts (recompute.py); None becomes ["core_attn"].
+    `moe_router_dtype` (--moe-router-dtype) and `moe_router_force_load_balancing`
+    (--moe-router-force-load-balancing): see moe/router.py.
     """
 
     num_layers: int
@@ -87,6 +104,8 @@ class TransformerConfig:
     ffn_hidden_size: int | None = None  # None: 4 * hidden_size
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
+    # Megatron's --apply-layernorm-1p: norm weights stored zero-centred, applied as 1 + w
+    layernorm_zero_centered_gamma: bool = False
     activation: str = "gelu"
     bias_activation_fusion: bool = False
     add_bias_linear: bool = True
@@ -105,9 +124,13 @@ class TransformerConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # with recompute_granularity="selective": which parts (None: ["core_attn"], Megatron's)
+    recompute_modules: list[str] | None = None
     params_dtype: torch.dtype = torch.float32
     fp32_residual_connection: bool = False
     apply_query_key_layer_scaling: bool = False
+    # SDPA kernels core attention may use: auto|flash|fused|unfused|local (see sdpa.py)
+    attention_backend: str = "auto"
     calculate_per_token_loss: bool = False  # losses are sums over tokens (MoE aux losses follow)
     fp8: str | None = None  # "e4m3" | "hybrid": only with the transformer-engine spec
     # CUDA graphs of the transformer layers (models.cuda_graphs); checked in _check_cuda_graph
@@ -132,6 +155,8 @@ class TransformerConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss|seq_aux_loss|sinkhorn|none
+    moe_router_dtype: str | None = None  # "fp32" | "fp64" | None (logits in the input dtype)
+    moe_router_force_load_balancing: bool = False  # random logits (benchmarking only)
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
@@ -182,12 +207,15 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]  # Megatron's default
 
     def _check_choices(self) -> None:
         _choice("normalization", self.normalization, NORMALIZATIONS)
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         _choice("fp8", self.fp8, (None, "e4m3", "hybrid"))
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if (
             not isinstance(self.params_dtype, torch.dtype)
             or not self.params_dtype.is_floating_point
@@ -292,7 +320,7 @@ class TransformerConfig:
                 _fail(
                     "recompute_method",
                     method,
-                    "selective recompute (core attention) takes no method or layer count",
+                    "selective recompute (recompute_modules) takes no method or layer count",
                     "leave recompute_method and recompute_num_layers unset",
                 )
         elif method is not None or n is not None:
@@ -302,6 +330,7 @@ class TransformerConfig:
                 "recompute_method/recompute_num_layers need recompute_granularity='full'",
                 "set recompute_granularity='full' or unset the method and layer count",
             )
+        check_recompute_modules(self)
         if gran is not None and self.fp8 is not None:
             _fail(
                 "recompute_granularity",

@@ -13,6 +13,17 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
 TOKEN_DISPATCHERS = ("allgather", "alltoall")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+# Megatron's recompute_modules that this release implements (see transformer_layer.py)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
+# Megatron's names for architectures this release does not have
+RECOMPUTE_MODULES_ELSEWHERE = {
+    "mla_up_proj": "multi-latent attention (MLA)",
+    "gdn_norm_out": "GatedDeltaNet attention",
+    "gdp_in_proj": "GatedDeltaProduct attention",
+    "gdp_qkv": "GatedDeltaProduct attention",
+    "mhc": "hyper-connections (mHC)",
+}
 
 
 class ModelConfigError(ValueError):
@@ -46,10 +57,65 @@ def _non_negative(name: str, value: Any, optional: bool = False) -> None:
         fail(name, value, "a number >= 0", f"e.g. {name}=0.0")
 
 
+def check_recompute_modules(c: Any) -> None:
+    """Megatron's rules for `recompute_modules` (read only with selective granularity)."""
+    mods = c.recompute_modules
+    if isinstance(mods, str) or not isinstance(mods, (list, tuple)):
+        fail(
+            "recompute_modules",
+            mods,
+            "a list of module names",
+            'e.g. recompute_modules=["core_attn"] (a list, also for one name)',
+        )
+    if c.recompute_granularity != "selective":
+        return  # Megatron ignores the list then
+    for name in mods:
+        if name in RECOMPUTE_MODULES_ELSEWHERE:
+            fail(
+                "recompute_modules",
+                list(mods),
+                f"{name!r} recomputes part of {RECOMPUTE_MODULES_ELSEWHERE[name]}, which is "
+                "not in this release",
+                f"drop {name!r}; this release recomputes {list(RECOMPUTE_MODULES)}",
+            )
+        if name not in RECOMPUTE_MODULES:
+            fail(
+                "recompute_modules",
+                list(mods),
+                f"{name!r} is not a module name; the names are {list(RECOMPUTE_MODULES)}",
+                f"use names from {list(RECOMPUTE_MODULES)}",
+            )
+    if "moe_act" in mods and not c.moe_grouped_gemm:
+        fail(
+            "recompute_modules",
+            list(mods),
+            "'moe_act' recomputes the grouped experts' activation: it needs "
+            "moe_grouped_gemm=True (as Megatron)",
+            "set moe_grouped_gemm=True or drop 'moe_act'",
+        )
+    if "shared_experts" in mods and c.moe_shared_expert_overlap:
+        fail(
+            "recompute_modules",
+            list(mods),
+            "'shared_experts' recompute cannot run with moe_shared_expert_overlap (the shared "
+            "experts run on a side stream during the dispatch)",
+            "set moe_shared_expert_overlap=False or drop 'shared_experts'",
+        )
+
+
 def check_context_parallel(c: Any) -> None:
     cp = c.context_parallel_size
     _positive("context_parallel_size", cp)
     _choice("cp_comm_type", c.cp_comm_type, CP_COMM_TYPES)
+    if cp > 1 and c.cp_comm_type != "a2a" and c.attention_backend in ("flash", "fused"):
+        fail(
+            "attention_backend",
+            c.attention_backend,
+            f"with context_parallel_size={cp} and cp_comm_type={c.cp_comm_type!r} attention "
+            "runs blockwise in PyTorch (context_parallel/), never through SDPA's fused kernels",
+            "use attention_backend='auto' (or 'unfused'), or cp_comm_type='a2a', whose "
+            "attention is one SDPA call",
+        )
     if cp > 1 and c.cp_comm_type == "a2a":
         split = c.tensor_model_parallel_size * cp
         for name in ("num_attention_heads", "num_query_groups"):
@@ -66,6 +132,7 @@ def check_context_parallel(c: Any) -> None:
 
 
 def check_moe(c: Any) -> None:
+    _choice("moe_router_dtype", c.moe_router_dtype, ROUTER_DTYPES)
     if c.num_moe_experts is None:
         _check_dense_has_no_experts(c)
         return

@@ -128,6 +128,15 @@ class GPTModel(torch.nn.Module):
                 sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype,
             )
+        self._tag_embedding_and_output()
+
+    def _tag_embedding_and_output(self) -> None:
+        """Megatron's `is_embedding_or_output_parameter`: the word embedding and the output
+        layer's weight (an optimizer may give them their own lr, `decoupled_lr`)."""
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
 
     def _set_cp_group(self, group: Any) -> None:
         """Hand the cp group to every core attention (the layer specs do not carry it)."""

@@ -11,16 +11,70 @@ kernel that would run may not take GQA and SDPA would fall back to its math kern
   let the efficient kernel run. CPU's flash kernel takes grouped k/v in fp32, bf16 and
   fp16 alike.
 `takes_grouped_kv` is the rule; the memory calculator asks it too.
+
+`config.attention_backend` (Megatron's `--attention-backend`) restricts the kernels SDPA may
+pick, with `torch.nn.attention.sdpa_kernel` around the call (`sdpa_backends`):
+
+    auto     no restriction: SDPA chooses (Megatron: transformer-engine chooses)
+    flash    FLASH_ATTENTION
+    fused    CUDNN_ATTENTION, EFFICIENT_ATTENTION (Megatron's "fused" is cuDNN's fused kernel)
+    unfused  MATH
+    local    MATH (Megatron's local = its unfused PyTorch attention)
+
+A restriction SDPA cannot meet raises ("No viable backend"): "fused" has kernels only on
+CUDA (`attention_backend_needs_cuda`; the config cannot know the device, so the app refuses
+it on a CPU run); "flash" runs on CUDA in fp16/bf16 only, and on the CPU through torch's CPU
+flash kernel (any float dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 MAX_GQA_HEAD_DIM = 256
 # CUDA dtypes whose SDPA kernel (flash) takes grouped k/v; fp32 runs memory-efficient.
 CUDA_GQA_DTYPES = (torch.float16, torch.bfloat16)
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+_SDPA_BACKENDS: dict[str, list[SDPBackend] | None] = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+    "unfused": [SDPBackend.MATH],
+    "local": [SDPBackend.MATH],
+}
+
+
+def sdpa_backends(attention_backend: str) -> list[SDPBackend] | None:
+    """The SDPA kernels `attention_backend` allows (None: SDPA's own choice)."""
+    if attention_backend not in _SDPA_BACKENDS:
+        raise ValueError(
+            f"attention_backend={attention_backend!r}: the rule: one of {ATTENTION_BACKENDS}; "
+            "fix: pick one of them"
+        )
+    return _SDPA_BACKENDS[attention_backend]
+
+
+def attention_backend_needs_cuda(attention_backend: str) -> bool:
+    """True for "fused": SDPA has cuDNN / memory-efficient kernels only on CUDA ("flash"
+    also runs on the CPU, where torch has a flash kernel; "auto" and the math ones anywhere)."""
+    backends = sdpa_backends(attention_backend)
+    return (
+        backends is not None
+        and SDPBackend.FLASH_ATTENTION not in backends
+        and (SDPBackend.MATH not in backends)
+    )
+
+
+def sdpa_backend_context(attention_backend: str) -> Any:
+    """`sdpa_kernel(...)` restricting SDPA to `attention_backend`'s kernels, or a no-op."""
+    backends = sdpa_backends(attention_backend)
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
 
 
 def takes_grouped_kv(
@@ -50,21 +104,24 @@ def grouped_sdpa(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    attention_backend: str = "auto",
 ) -> torch.Tensor:
-    """`F.scaled_dot_product_attention` for n query heads over g = n / rep k/v heads."""
+    """`F.scaled_dot_product_attention` for n query heads over g = n / rep k/v heads, on the
+    kernels `attention_backend` allows (see the module docstring)."""
     rep = q.size(1) // k.size(1)
     gqa = takes_grouped_kv(
         rep, attn_mask is not None, q.size(-1), dtype=q.dtype, device_type=q.device.type
     )
     if rep > 1 and not gqa:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=gqa,
-    )
+    with sdpa_backend_context(attention_backend):
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )

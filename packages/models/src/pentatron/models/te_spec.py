@@ -107,6 +107,7 @@ def TELayerNormColumnParallelLinear(
         output_size,
         normalization=config.normalization,
         eps=config.layernorm_epsilon,
+        zero_centered_gamma=config.layernorm_zero_centered_gamma,
         backend=backend,
         **kwargs,
     )
@@ -127,17 +128,58 @@ def TERowParallelLinear(input_size: int, output_size: int, **kwargs: Any) -> Any
     return row_parallel_linear(input_size, output_size, **kwargs)
 
 
+_TE_ATTENTION_ENV = {  # (NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN), Megatron's
+    "auto": ("1", "1", "1"),
+    "flash": ("1", "0", "0"),
+    "fused": ("0", "1", "0"),
+    "unfused": ("0", "0", "1"),
+}
+
+
+def te_attention_env(attention_backend: str) -> dict[str, str]:
+    """The NVTE_* switches Megatron sets for `attention_backend` (its
+    `LanguageModule._set_attention_backend`); "local" is PyTorch's attention, not TE's."""
+    if attention_backend not in _TE_ATTENTION_ENV:
+        raise ModelConfigError(
+            f"attention_backend={attention_backend!r} with TEDotProductAttention: the rule: "
+            "'local' is the PyTorch attention, which the TE spec does not run; fix: "
+            "get_gpt_layer_local_spec() or get_gpt_layer_te_spec(backend='torch'), or "
+            f"one of {sorted(_TE_ATTENTION_ENV)}"
+        )
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    return dict(zip(names, _TE_ATTENTION_ENV[attention_backend]))
+
+
+def set_te_attention_env(attention_backend: str) -> None:
+    """Set the NVTE_* switches for `attention_backend`; one the user set otherwise raises
+    (as Megatron's check)."""
+    import os
+
+    for name, value in te_attention_env(attention_backend).items():
+        current = os.environ.get(name)
+        if current is not None and current != value:
+            raise ModelConfigError(
+                f"{name}={current} in the environment with attention_backend="
+                f"{attention_backend!r}: the rule: the backend sets {name}={value}; fix: unset "
+                "NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN and choose with "
+                "attention_backend"
+            )
+        os.environ[name] = value
+
+
 class TEDotProductAttention(torch.nn.Module):
     """TE's fused causal attention with the local DotProductAttention's interface.
 
     q `[s, b, nq/t, d]`, k/v `[s, b, ng/t, d]` -> `[s, b, nq d / t]`; GQA without repeating
     k/v (`num_gqa_groups`). `attention_mask` must be None (causal): TE's padding masks take
     another layout, so a custom mask raises instead of silently differing.
+    `config.attention_backend` picks TE's kernels through NVTE_* (`set_te_attention_env`).
     """
 
     def __init__(self, config: Any, layer_number: int, tp_size: int) -> None:
         super().__init__()
         require_te("TEDotProductAttention")
+        set_te_attention_env(config.attention_backend)
         self.config = config
         heads = divide(config.num_attention_heads, tp_size, "num_attention_heads")
         groups = divide(config.num_query_groups, tp_size, "num_query_groups")
@@ -174,6 +216,7 @@ def TENorm(config: Any, hidden_size: int, eps: float | None = None, sequence_par
     norm = cls(
         hidden_size,
         eps=config.layernorm_epsilon if eps is None else eps,
+        zero_centered_gamma=config.layernorm_zero_centered_gamma,
         params_dtype=config.params_dtype,
     )
     sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel

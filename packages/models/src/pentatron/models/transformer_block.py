@@ -10,7 +10,8 @@ Activation recomputation (training only), through tp_layers.checkpoint so dropou
 - full/uniform: the chunk's layers in groups of `recompute_num_layers`, each group one
   checkpoint;
 - full/block: the first `recompute_num_layers` layers of the chunk, one checkpoint each;
-- selective: core attention only (inside SelfAttention).
+- selective: the parts `recompute_modules` names (Megatron's default ["core_attn"]; see
+  recompute.py for each name and where it is done).
 With sequence parallelism the layers run inside the tracker's model-parallel RNG fork, so
 dropout on the `[s/t, b, h]` shards differs across tp ranks (Megatron-LM).
 """

@@ -4,6 +4,11 @@ x [s, b, h] (SP: [s/t, b, h])
   -> input_layernorm -> self_attention -> + bias, dropout, + x   (bias-dropout-add)
   -> pre_mlp_layernorm -> mlp -> + bias, dropout, + residual
 -> [s, b, h] (SP: [s/t, b, h])
+
+Selective recompute (`recompute_modules`, see recompute.py): "layernorm" checkpoints both
+norms and frees their outputs once attention / the MLP has run ("output-discarding", as
+Megatron; a norm fused into the next linear, the TE layout's Identity, is not); "mlp"
+checkpoints a dense layer's MLP (a MoE layer's is "moe", in MoELayer).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pentatron.tp_layers import init_method_normal, scaled_init_method_normal
+from pentatron.tp_layers import checkpoint, init_method_normal, scaled_init_method_normal
 
 from .config import ModelConfigError, TransformerConfig
+from .recompute import CheckpointWithoutOutput, recompute_now
 from .sharding import FUSED_NORMS
 from .spec import build_module
 
@@ -89,7 +95,7 @@ class TransformerLayer(torch.nn.Module):
             init_method=init,
             output_layer_init_method=out_init,
         )
-        moe = config.moe_layer_pattern()[layer_number - 1]
+        self.is_moe_layer = moe = config.moe_layer_pattern()[layer_number - 1]
         norm = submodules.moe_pre_mlp_layernorm if moe else None
         self.pre_mlp_layernorm = build_module(norm or submodules.pre_mlp_layernorm, config, h)
         self.mlp = self._build_mlp(submodules, tp_group, parallel, init, out_init)
@@ -137,7 +143,38 @@ class TransformerLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """`[s, b, h]` (SP: `[s/t, b, h]`) -> same shape."""
         p, training = self.config.hidden_dropout, self.training
-        out, bias = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary)
+        normed, norm_ckpt = self._norm(self.input_layernorm, hidden)
+        out, bias = self.self_attention(normed, attention_mask, rotary)
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(out)
         hidden = bias_dropout_add(out, bias, hidden, p, training)
-        out, bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        normed, norm_ckpt = self._norm(self.pre_mlp_layernorm, hidden)
+        out, bias = self._mlp(normed)
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(out)
         return bias_dropout_add(out, bias, hidden, p, training)
+
+    def _norm(
+        self, norm: torch.nn.Module, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, CheckpointWithoutOutput | None]:
+        """`norm(hidden)`, output-discarding checkpointed with "layernorm" recompute."""
+        if isinstance(norm, torch.nn.Identity) or not recompute_now(
+            self.config, "layernorm", self.training
+        ):
+            return norm(hidden), None
+        ckpt = CheckpointWithoutOutput()
+        return ckpt.checkpoint(norm, hidden), ckpt
+
+    def _mlp(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP, checkpointed with "mlp" recompute on a dense layer (MoE: see MoELayer)."""
+        if self.is_moe_layer or not recompute_now(self.config, "mlp", self.training):
+            return self.mlp(hidden)
+        bias: list[torch.Tensor | None] = []
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            out, b = self.mlp(x)
+            bias[:] = [b]  # the bias parameter itself: kept out of the checkpoint's outputs
+            return out
+
+        out = checkpoint(run, hidden)
+        return out, bias[0]

@@ -55,7 +55,7 @@ from .utils import (
     vocab_range,
 )
 
-__version__ = "0.1.4"
+__version__ = "0.1.5"
 
 __all__ = [
     "accumulate_weight_grad",

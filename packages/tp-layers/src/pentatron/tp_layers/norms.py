@@ -11,6 +11,12 @@ its fp32 copy `4 sbh` (and for RMSNorm the 16-bit normalised tensor) alive until
 here backward recomputes the fp32 normalised input from `x` and the statistics, a transient.
 The forward is the plain-autograd formula op for op, so outputs are bitwise unchanged.
 Double backward is out of scope: a backward run with `create_graph=True` raises.
+
+`zero_centered_gamma=True` (Megatron's `layernorm_zero_centered_gamma`, `--apply-layernorm-1p`;
+transformer-engine's `zero_centered_gamma`): the stored weight `w` is zero-centred and the
+norm scales by `1 + w`, formed in fp32 (as TE's kernels): RMSNorm returns
+`(n * (1 + w)).to(w.dtype)`, LayerNorm `layer_norm(x, 1 + w, b)`. The grad of `w` is that of
+the effective gamma `1 + w`. Modules holding such a weight initialise it to 0.
 """
 
 from __future__ import annotations
@@ -50,12 +56,22 @@ def _refuse_double_backward(name: str) -> None:
         )
 
 
+def _gamma(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """The fp32 scale a norm applies: `1 + weight` when zero-centred, else `weight`."""
+    return weight.float() + 1.0 if zero_centered else weight.float()
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+    ) -> torch.Tensor:
         h = x.to(torch.float32)
         rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd, weight)
+        ctx.zero_centered = zero_centered
+        if zero_centered:  # TE's order: the scale in fp32, one cast at the end
+            return ((h * rstd) * _gamma(weight, True)).to(weight.dtype)
         return weight * (h * rstd).to(weight.dtype)
 
     @staticmethod
@@ -66,24 +82,34 @@ class _RMSNorm(torch.autograd.Function):
         g = grad.to(torch.float32)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dn = g * weight.to(torch.float32)
+            dn = g * _gamma(weight, ctx.zero_centered)
             # d/dx of x * rstd(x): rstd * (dn - n * mean(dn * n)) over the last dim
             dx = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = _row_sum(g * n).to(weight.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+        zero_centered: bool,
     ) -> torch.Tensor:
         # F.layer_norm's own kernel, which also returns the fp32 mean and rstd `[.., 1]`
         out, mean, rstd = torch.native_layer_norm(
-            x.to(torch.float32), (weight.numel(),), weight.float(), bias.float(), eps
+            x.to(torch.float32),
+            (weight.numel(),),
+            _gamma(weight, zero_centered),
+            bias.float(),
+            eps,
         )
         ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.zero_centered = zero_centered
         return out.to(weight.dtype)
 
     @staticmethod
@@ -97,25 +123,33 @@ class _LayerNorm(torch.autograd.Function):
             (weight.numel(),),
             mean,
             rstd,
-            weight.float(),
+            _gamma(weight, ctx.zero_centered),
             bias.float(),  # unused, but the kernel shapes dbias after it
             mask,
         )
         dx = dx.to(x.dtype) if mask[0] else None
         dw = dw.to(weight.dtype) if mask[1] else None
         db = db.to(bias.dtype) if mask[2] else None
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False
+) -> torch.Tensor:
     """`x / sqrt(mean(x^2) + eps) * weight` (Hugging Face Llama's order of casts):
-    `[.., h]` -> `[.., h]` in `weight`'s dtype, keeping `x` and the fp32 rstd `[.., 1]`."""
-    return _RMSNorm.apply(x, weight, eps)
+    `[.., h]` -> `[.., h]` in `weight`'s dtype, keeping `x` and the fp32 rstd `[.., 1]`.
+    `zero_centered_gamma`: scale by `1 + weight` (see the module docstring)."""
+    return _RMSNorm.apply(x, weight, eps, zero_centered_gamma)
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    zero_centered_gamma: bool = False,
 ) -> torch.Tensor:
     """`torch.nn.functional.layer_norm` with weight and bias, computed in fp32: `[.., h]` ->
-    `[.., h]` in `weight`'s dtype, keeping `x` and the fp32 mean and rstd `[.., 1]`."""
-    return _LayerNorm.apply(x, weight, bias, eps)
+    `[.., h]` in `weight`'s dtype, keeping `x` and the fp32 mean and rstd `[.., 1]`.
+    `zero_centered_gamma`: scale by `1 + weight` (see the module docstring)."""
+    return _LayerNorm.apply(x, weight, bias, eps, zero_centered_gamma)

@@ -70,8 +70,11 @@ def _chunk_order(cp: int) -> torch.Tensor:
     return torch.tensor([c for r in range(cp) for c in (r, 2 * cp - 1 - r)])
 
 
-def a2a_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
-    """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[s/cp, b, n, d]` (causal)."""
+def a2a_attention(
+    q, k, v, scale: float, group: Any, attention_backend: str = "auto"
+) -> torch.Tensor:
+    """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[s/cp, b, n, d]` (causal; one
+    SDPA call on `attention_backend`'s kernels)."""
     cp = dist.get_world_size(group)
     n, g = q.size(2), k.size(2)
     if n % cp or g % cp:
@@ -87,7 +90,7 @@ def a2a_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
     chunk = s // (2 * cp)
     perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
     q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
-    out = grouped_sdpa(q, k, v, is_causal=True, scale=scale)
+    out = grouped_sdpa(q, k, v, is_causal=True, scale=scale, attention_backend=attention_backend)
     out = out.permute(2, 0, 1, 3)  # [s, b, n/cp, d] in global order
     back = torch.argsort(perm)
     return HeadToSeq.apply(out.index_select(0, back).contiguous(), group)

@@ -53,7 +53,8 @@ def context_parallel_attention(
         cp_rank = dist.get_group_rank(group, dist.get_rank())
         out = all_gather_attention(q, k, v, scale, group, cp_rank)
     elif kind == "a2a":
-        return a2a_attention(q, k, v, scale, group).reshape(s, b, -1)
+        out = a2a_attention(q, k, v, scale, group, config.attention_backend)
+        return out.reshape(s, b, -1)
     else:
         raise ModelConfigError(
             f"cp_comm_type={kind!r}: the rule: one of ('p2p', 'all_gather', 'a2a'); "

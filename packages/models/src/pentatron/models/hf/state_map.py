@@ -23,6 +23,10 @@ RoPE is rotate-half on both sides, so q/k rows map without permutation.
 `read_shard` builds tp rank r's part of one parameter straight from the HF tensors, reading
 only the rows/columns that rank owns (`TensorSource.read` slices; a safetensors source reads
 just that slice from disk). `full_to_hf` is the inverse on full (tp=1) tensors.
+
+With `config.layernorm_zero_centered_gamma` our norm weights hold `gamma - 1` (the norm
+scales by `1 + w`) while Hugging Face's hold gamma: `full_to_hf` writes `w + 1` and
+`read_shard` reads `gamma - 1` (`norm_weight_to_hf` / `norm_weight_from_hf`, in fp32).
 """
 
 from __future__ import annotations
@@ -55,6 +59,25 @@ _LAYER_DIRECT = {
 }
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 EMBED, LM_HEAD, FINAL_NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+
+
+def _is_norm_weight(name: str) -> bool:
+    """input/pre-MLP/final (and q/k) norm weights: `...layernorm.weight`."""
+    return name.endswith("layernorm.weight")
+
+
+def norm_weight_to_hf(name: str, t: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """Our tensor `name` as HF holds it: a zero-centred norm weight + 1, else unchanged."""
+    if config.layernorm_zero_centered_gamma and _is_norm_weight(name):
+        return (t.float() + 1.0).to(t.dtype)
+    return t
+
+
+def norm_weight_from_hf(name: str, t: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """HF's tensor for our `name`: - 1 for a zero-centred norm weight, else unchanged."""
+    if config.layernorm_zero_centered_gamma and _is_norm_weight(name):
+        return (t.float() - 1.0).to(t.dtype)
+    return t
 
 
 class TensorSource(Protocol):
@@ -224,7 +247,7 @@ def read_shard(
         assert cols is not None, "TransformerConfig.__post_init__ fills ffn_hidden_size in"
         start, stop = _part(cols, tp_rank, tp_size, f"{hf[0]} columns")
         return src.read(hf[0], 1, start, stop)
-    return src.read(hf[0])
+    return norm_weight_from_hf(name, src.read(hf[0]), config)
 
 
 def full_to_hf(
@@ -272,7 +295,7 @@ def full_to_hf(
             gate, up = torch.chunk(t, 2, dim=0)
             out[hf[0]], out[hf[1]] = gate, up
         else:
-            out[hf[0]] = t
+            out[hf[0]] = norm_weight_to_hf(name, t, config)
     return {k: v.contiguous() for k, v in out.items()}
 
 

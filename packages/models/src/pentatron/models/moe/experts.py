@@ -16,10 +16,15 @@ wherever torch runs it (probed once per device and dtype: CUDA bf16 on SM90+; CP
 bf16 in recent builds, e.g. 2.13) and the rows are 16-byte aligned, and otherwise the same
 loop with identical numerics. Both load the same checkpoint; the grouped path agrees with the
 loop to fp32 rounding (bias added after the GEMM instead of inside it).
+
+"moe_act" selective recompute (Megatron's; needs moe_grouped_gemm): the activation runs
+output-discarding checkpointed (recompute.py): fc2's input is freed after fc2 and
+recomputed from fc1's output in backward.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,6 +33,7 @@ from pentatron.parallel_state import current_device
 from pentatron.tp_layers import set_tensor_model_parallel_attributes, shard_of
 
 from ..activations import mlp_activation
+from ..recompute import CheckpointWithoutOutput, recompute_now
 
 
 class ExpertLinear(torch.nn.Module):
@@ -128,6 +134,16 @@ class SequentialMLP(torch.nn.Module):
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         return mlp_activation(self.config, h)
 
+    def activation_then(self, h: torch.Tensor, fc2: Any) -> torch.Tensor:
+        """`fc2(activation(h))`; with "moe_act" recompute the activation's output is freed
+        once fc2 has run and recomputed from `h` in backward."""
+        if not recompute_now(self.config, "moe_act", self.training):
+            return fc2(self.activation(h))
+        ckpt = CheckpointWithoutOutput()
+        out = fc2(ckpt.checkpoint(self.activation, h))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
     def fc2_bias(self, e: int) -> torch.Tensor | None:
         """fc2's bias on etp rank 0 only (the etp shards of fc2's output are summed later)."""
         b = self.linear_fc2.bias
@@ -140,8 +156,11 @@ class SequentialMLP(torch.nn.Module):
         outs = []
         for e, chunk in enumerate(torch.split(x, list(tokens_per_expert), dim=0)):
             b1 = None if fc1.bias is None else fc1.bias[e]
-            h = self.activation(torch.nn.functional.linear(chunk, fc1.weight[e], b1))
-            outs.append(torch.nn.functional.linear(h, fc2.weight[e], self.fc2_bias(e)))
+            h = torch.nn.functional.linear(chunk, fc1.weight[e], b1)
+            fc2_e = functools.partial(
+                torch.nn.functional.linear, weight=fc2.weight[e], bias=self.fc2_bias(e)
+            )
+            outs.append(self.activation_then(h, fc2_e))
         if not outs:
             return x.new_zeros((0, x.size(-1)))
         return torch.cat(outs, dim=0)
@@ -230,7 +249,7 @@ class GroupedMLP(SequentialMLP):
         h = _grouped_linear(x, fc1.weight, offs)
         if fc1.bias is not None:
             h = h + fc1.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
-        out = _grouped_linear(self.activation(h), fc2.weight, offs)
+        out = self.activation_then(h, lambda a: _grouped_linear(a, fc2.weight, offs))
         if fc2.bias is not None and self.etp_rank == 0:
             out = out + fc2.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
         return out

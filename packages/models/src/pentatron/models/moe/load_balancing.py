@@ -92,12 +92,14 @@ def routing_scores_for_aux_loss(
     """`[T, E]` logits -> (scores `[T, E]` over all experts, their top-k map `[T, E]` bool).
 
     As Megatron: the loss sees plain scores (softmax, or sigmoid normalised over the
-    experts) and their plain top-k: no expert bias, groups or capacity dropping.
+    experts; in at least fp32) and their plain top-k: no expert bias, groups or capacity
+    dropping.
     """
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # Megatron: fp32 scores
     if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        scores = torch.softmax(logits, dim=-1, dtype=dtype)
     elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(logits.to(dtype))
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"score_function={score_function!r}: one of ('softmax', 'sigmoid')")

@@ -5,6 +5,10 @@
       -> [s/(t cp), b, h]  (+ shared experts on the same input)
 returns `(output, None)` like `MLP` (the bias, if any, is inside the experts).
 
+Selective recompute (recompute.py): "moe" checkpoints the whole layer (router, dispatch,
+experts, combine, shared experts; the collectives run again in backward), "shared_experts"
+the shared experts alone; "moe_act" lives in the experts.
+
 Experts are split over the expert grid: ep rank r holds experts r*E/ep ... and etp splits
 each like the dense MLP. `submodules` (MoESubmodules) name the router, the experts
 (SequentialMLP or GroupedMLP; None: chosen by `config.moe_grouped_gemm`) and the shared
@@ -18,6 +22,9 @@ from typing import Any
 
 import torch
 
+from pentatron.tp_layers import checkpoint
+
+from ..recompute import recompute_now
 from ..spec import build_module
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
@@ -94,6 +101,11 @@ class MoELayer(torch.nn.Module):
                 f"MoELayer input {tuple(hidden.shape)}; the rule: [s_local, b, "
                 f"hidden_size={self.config.hidden_size}]; fix: pass the layer's hidden states"
             )
+        if recompute_now(self.config, "moe", self.training):
+            return checkpoint(self._forward, hidden), None
+        return self._forward(hidden), None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared, stream = self._start_shared(hidden)
         probs, routing_map = self.router(hidden)
         tokens = hidden.reshape(-1, hidden.size(-1))
@@ -102,7 +114,7 @@ class MoELayer(torch.nn.Module):
         out = self.dispatcher.combine(y, ctx).view_as(hidden)
         if self.shared_experts is not None:
             out = out + self._finish_shared(hidden, shared, stream)
-        return out, None
+        return out
 
     def _start_shared(self, hidden: torch.Tensor) -> tuple[Any, Any]:
         """With moe_shared_expert_overlap on CUDA: run the shared experts on a side stream
@@ -120,6 +132,8 @@ class MoELayer(torch.nn.Module):
     def _finish_shared(self, hidden: torch.Tensor, shared: Any, stream: Any) -> torch.Tensor:
         if stream is None:
             assert self.shared_experts is not None, "called only with shared experts"
+            if recompute_now(self.config, "shared_experts", self.training):
+                return checkpoint(self.shared_experts, hidden)
             return self.shared_experts(hidden)
         torch.cuda.current_stream(hidden.device).wait_stream(stream)
         shared.record_stream(torch.cuda.current_stream(hidden.device))

@@ -88,8 +88,14 @@ def unpermute(
     probs: torch.Tensor | None = None,
     routing_map: torch.Tensor | None = None,
     capacity: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`[N, h]` -> `[T, h]`: sum of each token's copies, weighted by `probs` when given."""
+    """`[N, h]` -> `[T, h]`: sum of each token's copies, weighted by `probs` when given.
+
+    The weighting and the sum run in the wider of `permuted`'s and `probs`' dtypes (bf16
+    expert outputs with fp32 probs: in fp32, as Megatron's unpermute); the result is cast
+    to `out_dtype` (None: `permuted`'s dtype)."""
+    in_dtype = permuted.dtype
     if permuted.size(0) != indices.numel():
         raise ValueError(
             f"{permuted.size(0)} rows for {indices.numel()} indices; the rule: unpermute "
@@ -102,9 +108,10 @@ def unpermute(
                 "permuted rows need both; fix: pass the router's routing_map with its probs"
             )
         weights = permuted_probs(probs, routing_map, indices, capacity)
-        permuted = permuted * weights.unsqueeze(-1).to(permuted.dtype)
+        wide = torch.promote_types(permuted.dtype, weights.dtype)
+        permuted = permuted.to(wide) * weights.unsqueeze(-1).to(wide)
     out = permuted.new_zeros((num_tokens, permuted.size(-1)))
-    return out.index_add(0, indices, permuted)
+    return out.index_add(0, indices, permuted).to(out_dtype or in_dtype)
 
 
 def sort_chunks(x: torch.Tensor, split_sizes: list[int], order: list[int]) -> torch.Tensor:

@@ -1,11 +1,26 @@
 """`TopKRouter`: which experts each token goes to, with what weight, and the router's
 load-balancing and z-losses (Megatron-LM's TopKRouter / topk_softmax_with_capacity).
 
-    hidden [s/(t*cp), b, h] -> logits [T, E] (T = s_local * b, s-major; fp32 or wider)
-      -> z-loss attached -> scores (softmax pre/post top-k, or sigmoid normalised over the
-      top-k) -> top-k (optionally group-limited, optionally chosen with the expert bias)
+    hidden [s/(t*cp), b, h] -> logits [T, E] (T = s_local * b, s-major; router dtype)
+      -> (moe_router_force_load_balancing: replaced by N(0, 1) draws) -> z-loss attached
+      -> scores (softmax pre/post top-k, or sigmoid normalised over the top-k) -> top-k
+      (optionally group-limited, optionally chosen with the expert bias)
       -> * topk scaling factor -> capacity dropping -> aux loss attached
-      -> probs [T, E] (0 off the route), routing_map [T, E] bool
+      -> probs [T, E] (router dtype, 0 off the route), routing_map [T, E] bool
+
+Precision (`moe_router_dtype`, Megatron's --moe-router-dtype): the gating GEMM runs in the
+router dtype (None: the input's dtype, e.g. bf16; "fp32"; "fp64") from the input and weight
+as they are, which are what backward keeps (Megatron's RouterGatingLinearFunction). The
+z-loss and the choice of post-softmax top-k read the logits in that dtype; the score
+functions (softmax, sigmoid, the aux-loss scores, sinkhorn) run in at least fp32, as
+Megatron's ("logits are converted to fp32 for score functions"; at fp64 Megatron's
+`.float()` drops to fp32, here they stay fp64); probs are cast back to the logits' dtype,
+and the dispatcher weights and sums the expert outputs in it (see token_dispatcher).
+
+`moe_router_force_load_balancing` (benchmarking, Megatron's RandomSTE): the logits are
+replaced by i.i.d. N(0, 1) draws from the tracker's expert-parallel RNG state, so each
+token's top-k is a uniformly random k-subset and each expert's count is Binomial(T, k/E);
+backward passes the logits' grad straight through to the gating GEMM.
 
 Only the routing counts of the aux losses communicate: all-reduce over `tp_cp_group`
 (tokens differ across tp x cp under sequence parallelism), so each rank's losses are
@@ -27,9 +42,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pentatron.parallel_state import current_device
+from pentatron.tp_layers import EXPERT_PARALLEL_RNG, get_rng_tracker
 
 from ..config import TransformerConfig
 from ..config_checks import ModelConfigError
@@ -43,6 +58,55 @@ from .load_balancing import (
     switch_load_balancing_loss,
     z_loss,
 )
+
+ROUTER_DTYPES: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+}
+
+
+def score_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype score functions run in: the logits' dtype, at least fp32."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+class RouterGatingLinear(torch.autograd.Function):
+    """`x [T, h] @ weight [E, h]^T` in `dtype`, keeping `x` and `weight` as they are for
+    backward (not their `dtype` copies); grads are computed in `dtype` and returned in the
+    inputs' dtypes (Megatron's RouterGatingLinearFunction)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
+        return torch.mm(x.to(dtype), weight.to(dtype).t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(ctx.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(grad, weight.to(ctx.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(grad.t(), x.to(ctx.dtype)).to(weight.dtype)
+        return dx, dw, None
+
+
+class RandomSTE(torch.autograd.Function):
+    """Forward: N(0, 1) logits of the same shape and dtype, drawn in the tracker's
+    expert-parallel RNG state; backward: the grad passes through unchanged (Megatron's
+    RandomSTE for --moe-router-force-load-balancing)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork(EXPERT_PARALLEL_RNG):
+            return logits.clone().normal_()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def group_limited_topk(
@@ -74,16 +138,17 @@ def topk_routing(
             return group_limited_topk(scores, topk, num_groups, config.moe_router_group_topk)
         return torch.topk(scores, k=topk, dim=-1)
 
+    sd = score_dtype(logits)  # score functions run in at least fp32 (Megatron)
     if config.moe_router_score_function == "softmax":
         if config.moe_router_pre_softmax:
-            top, indices = choose(torch.softmax(logits, dim=-1))
+            top, indices = choose(torch.softmax(logits, dim=-1, dtype=sd))
         else:
             top, indices = choose(logits)
-            top = torch.softmax(top, dim=-1)
+            top = torch.softmax(top, dim=-1, dtype=sd)
     else:
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(logits.to(sd))
         if expert_bias is not None:  # the bias picks the experts; the probs stay unbiased
-            _, indices = choose(scores + expert_bias.to(scores.dtype))
+            _, indices = choose(scores + expert_bias.to(sd))
             top = torch.gather(scores, 1, indices)
         else:
             top, indices = choose(scores)
@@ -91,7 +156,7 @@ def topk_routing(
             top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
     if config.moe_router_topk_scaling_factor:
         top = top * config.moe_router_topk_scaling_factor
-    probs = torch.zeros_like(logits).scatter(1, indices, top)
+    probs = torch.zeros_like(logits).scatter(1, indices, top.to(logits.dtype))
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
     return probs, routing_map
 
@@ -164,12 +229,15 @@ class TopKRouter(torch.nn.Module):
         return torch.distributed.get_world_size(group)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden `[s_local, b, h]` -> probs `[T, E]` fp32 (or wider), routing_map `[T, E]`
-        bool; T = s_local * b in s-major order (hidden.reshape(-1, h))."""
+        """hidden `[s_local, b, h]` -> probs `[T, E]` in the router dtype, routing_map
+        `[T, E]` bool; T = s_local * b in s-major order (hidden.reshape(-1, h))."""
         self._check_input(hidden)
         self._keep_buffers_fp32()
         batch_size = hidden.shape[1]
-        logits = self._apply_z_loss(self._gating(hidden.reshape(-1, hidden.shape[-1])))
+        logits = self._gating(hidden.reshape(-1, hidden.shape[-1]))
+        if self.config.moe_router_force_load_balancing:
+            logits = RandomSTE.apply(logits)
+        logits = self._apply_z_loss(logits)
         if self.config.moe_router_load_balancing_type == "sinkhorn":
             probs, routing_map = self._sinkhorn_routing(logits)
             routed = routing_map
@@ -207,12 +275,12 @@ class TopKRouter(torch.nn.Module):
                 buf.data = buf.data.float()
 
     def _gating(self, x: torch.Tensor) -> torch.Tensor:
-        """`[T, h]` -> logits `[T, E]` in fp32 (fp64 if the weight is fp64)."""
-        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        """`[T, h]` -> logits `[T, E]` in the router dtype (`moe_router_dtype`; None: x's)."""
+        dtype = ROUTER_DTYPES[self.config.moe_router_dtype] or x.dtype
         eps = self.config.moe_input_jitter_eps
         if eps is not None and self.training:  # multiplicative noise U(1-eps, 1+eps)
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        return F.linear(x.to(dtype), self.weight.to(dtype))
+        return RouterGatingLinear.apply(x, self.weight, dtype)
 
     def _loss_scale_up(self, loss: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return loss * num_tokens if self.calculate_per_token_loss else loss
@@ -230,11 +298,14 @@ class TopKRouter(torch.nn.Module):
         topk = self.config.moe_router_topk
 
         def activation(x: torch.Tensor) -> torch.Tensor:
-            return torch.sigmoid(x) if topk == 1 else torch.softmax(x, dim=-1)
+            if topk == 1:
+                return torch.sigmoid(x)
+            return torch.softmax(x, dim=-1, dtype=score_dtype(x)).type_as(x)
 
         if self.training:  # experts chosen by the balanced matrix, weighted by the plain one
             with torch.no_grad():
-                indices = torch.topk(sinkhorn(logits.detach()), k=topk, dim=-1).indices
+                balanced = sinkhorn(logits.detach().to(score_dtype(logits)))
+                indices = torch.topk(balanced, k=topk, dim=-1).indices
             scores = activation(logits)
         else:
             scores = activation(logits)

@@ -5,7 +5,9 @@ MoEAlltoAllTokenDispatcher).
 Both work on this rank's tokens `[T, h]` (T = s/(t*cp) * b), the router's `probs [T, E]`
 and `routing_map [T, E]`, and return from `dispatch` the expert input `[N, h]` sorted by
 local expert with `tokens_per_expert` (E_local ints) plus a context for `combine`, which
-returns `[T, h]`: each token's expert outputs summed with their probabilities.
+returns `[T, h]`: each token's expert outputs summed with their probabilities. Partial sums
+are weighted and reduced in the router dtype (the probs' dtype, `moe_router_dtype`) when it
+is wider than the tokens', and cast back to the tokens' dtype, as Megatron's dispatchers.
 
 allgather (group "etp-ep", n = etp * ep ranks):
     [T, h] -> all-gather -> [n T, h] -> keep tokens of local experts -> experts
@@ -122,10 +124,11 @@ class AllGatherTokenDispatcher:
     def combine(self, y: torch.Tensor, ctx) -> torch.Tensor:
         """`[N, h]` -> `[T, h]`: weighted sum per token, reduce-scatter over etp-ep."""
         indices, all_probs, all_map, pad, rows = ctx
-        out = unpermute(y, indices, rows, all_probs, all_map, pad)
-        if _size(self.groups.etp_ep) == 1:
-            return out
-        return reduce_scatter_to_sequence_parallel_region(out, self.groups.etp_ep)
+        wide = torch.promote_types(y.dtype, all_probs.dtype)  # the router dtype (Megatron)
+        out = unpermute(y, indices, rows, all_probs, all_map, pad, out_dtype=wide)
+        if _size(self.groups.etp_ep) > 1:
+            out = reduce_scatter_to_sequence_parallel_region(out, self.groups.etp_ep)
+        return out.to(y.dtype)
 
 
 class _GatherUneven(torch.autograd.Function):
@@ -241,8 +244,9 @@ class AlltoAllTokenDispatcher:
         for pos, i in enumerate(order):
             back[i] = pos
         y = sort_chunks(y, sizes, back)
-        if self.etp_size > 1:
-            y = _ReduceScatterUneven.apply(y, self.groups.etp, gather_sizes)
+        if self.etp_size > 1:  # summed in the router dtype, as Megatron
+            wide = torch.promote_types(y.dtype, probs.dtype)
+            y = _ReduceScatterUneven.apply(y.to(wide), self.groups.etp, gather_sizes).to(y.dtype)
         if self.ep_size > 1:
             y = all_to_all(y, self.groups.ep, send, recv)
         return unpermute(y, indices, rows, probs, routing_map, pad)

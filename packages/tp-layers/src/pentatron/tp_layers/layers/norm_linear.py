@@ -9,6 +9,8 @@ before the linear's sequence-parallel all-gather, as TE's does:
 
 With sequence parallelism the norm's parameters see s/t of the tokens, so they are marked
 `sequence_parallel` and their grads all-reduced over tp like a separate norm's.
+`zero_centered_gamma=True` (TE's argument, Megatron's `layernorm_zero_centered_gamma`):
+`layer_norm_weight` starts at 0 and the norm scales by `1 + layer_norm_weight`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .column import ColumnParallelLinear
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
     """`ColumnParallelLinear(norm(x))`; takes `ColumnParallelLinear`'s arguments plus
-    `normalization` ("LayerNorm" | "RMSNorm") and `eps`."""
+    `normalization` ("LayerNorm" | "RMSNorm"), `eps` and `zero_centered_gamma`."""
 
     def __init__(
         self,
@@ -33,6 +35,7 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         *,
         normalization: str = "LayerNorm",
         eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
         **kwargs: Any,
     ) -> None:
         check_normalization(normalization)
@@ -43,11 +46,11 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
             )
         super().__init__(input_size, output_size, **kwargs)
         self.normalization, self.eps = normalization, eps
+        self.zero_centered_gamma = zero_centered_gamma
         dtype = self.weight.dtype
         device = self.weight.device
-        self.layer_norm_weight = torch.nn.Parameter(
-            torch.ones(input_size, dtype=dtype, device=device)
-        )
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(init(input_size, dtype=dtype, device=device))
         sp = self.sequence_parallel
         # torch stubs lack .sequence_parallel
         self.layer_norm_weight.sequence_parallel = sp  # type: ignore[attr-defined]
@@ -67,11 +70,13 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
                 "LayerNormColumnParallelLinear.forward(weight=...): the fused layer owns its "
                 "weight; fix: use ColumnParallelLinear for a tied output layer"
             )
+        zc = self.zero_centered_gamma
         if self.layer_norm_bias is None:
-            x = rms_norm(x, self.layer_norm_weight, self.eps)
+            x = rms_norm(x, self.layer_norm_weight, self.eps, zc)
         else:
-            x = layer_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            x = layer_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, zc)
         return super().forward(x)
 
     def extra_repr(self) -> str:
-        return f"{self.normalization}(eps={self.eps}), " + super().extra_repr()
+        zc = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return f"{self.normalization}(eps={self.eps}{zc}), " + super().extra_repr()

@@ -198,13 +198,20 @@ def layer_norm_column_parallel_linear(
     *,
     normalization: str = "LayerNorm",
     eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
     backend: str | None = None,
     **kwargs: Any,
 ) -> torch.nn.Module:
-    """`LayerNormColumnParallelLinear(...)` on the chosen backend (TE: `LayerNormLinear`)."""
+    """`LayerNormColumnParallelLinear(...)` on the chosen backend (TE: `LayerNormLinear`,
+    whose `zero_centered_gamma` has the same meaning)."""
     if linear_backend(backend) == "torch":
         return LayerNormColumnParallelLinear(
-            input_size, output_size, normalization=normalization, eps=eps, **kwargs
+            input_size,
+            output_size,
+            normalization=normalization,
+            eps=eps,
+            zero_centered_gamma=zero_centered_gamma,
+            **kwargs,
         )
     check_normalization(normalization)  # TE only asserts
     return _te_linear(
@@ -214,4 +221,5 @@ def layer_norm_column_parallel_linear(
         kwargs,
         normalization=normalization,
         eps=eps,
+        zero_centered_gamma=zero_centered_gamma,
     )
