@@ -34,7 +34,7 @@ from .optimizer.mixed_precision import GradStatsGroups, MixedPrecisionOptimizer,
 from .optimizer.param_groups import default_no_weight_decay, get_param_groups
 from .scheduler import OptimizerParamScheduler
 
-__version__ = "0.1.3"
+__version__ = "0.1.4"
 
 __all__ = [
     "ChunkLoadPlanner",

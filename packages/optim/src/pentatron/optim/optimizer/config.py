@@ -35,6 +35,11 @@ class OptimizerConfig:
     hysteresis: int = 2
     """Overflowing steps tolerated before the scale backs off by 1/2."""
     use_distributed_optimizer: bool = False
+    decoupled_lr: float | None = None
+    """Peak lr of the embedding and output-layer weights (params with
+    `is_embedding_or_output_parameter`), scheduled like the rest; None: they use `lr`."""
+    decoupled_min_lr: float | None = None
+    """Their min lr with `decoupled_lr`; None: `min_lr`."""
     optimizer_impl: str = "auto"
     """"auto": apex FusedAdam when installed on CUDA, else torch (fused on CUDA); "torch";
     "apex" (fails if apex is missing)."""
@@ -66,6 +71,7 @@ class OptimizerConfig:
             raise config_error(
                 "min_lr", self.min_lr, f"must not exceed lr={self.lr}", "lower min_lr or raise lr"
             )
+        self._decoupled()
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -89,6 +95,26 @@ class OptimizerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise config_error(name, value, "must be an integer >= 1", f"e.g. {name}=2")
+
+    def _decoupled(self) -> None:
+        if self.decoupled_lr is None:
+            if self.decoupled_min_lr is not None:
+                raise config_error(
+                    "decoupled_min_lr",
+                    self.decoupled_min_lr,
+                    "has no effect without decoupled_lr",
+                    "set decoupled_lr too, or leave decoupled_min_lr None",
+                )
+            return
+        self._non_negative("decoupled_lr")
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        if not 0 <= low <= self.decoupled_lr:
+            raise config_error(
+                "decoupled_min_lr",
+                low,
+                f"must lie in [0, decoupled_lr={self.decoupled_lr}]",
+                "lower decoupled_min_lr (or min_lr when it is None)",
+            )
 
     def _non_negative(self, *names: str) -> None:
         for name in names:

@@ -32,7 +32,14 @@ def get_optimizer(
     or `FSDP2Optimizer` over `FSDP2DataParallel` ones."""
     fsdp_chunks = [c for c in model_chunks if isinstance(c, FSDP2DataParallel)]
     if model_chunks and len(fsdp_chunks) == len(model_chunks):
-        groups = get_param_groups(fsdp_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        groups = get_param_groups(
+            fsdp_chunks,
+            no_weight_decay_cond,
+            scale_lr_cond,
+            lr_mult,
+            config.decoupled_lr,
+            config.decoupled_min_lr,
+        )
         return FSDP2Optimizer(config, fsdp_chunks, groups, grid=grid, stats_groups=stats_groups)
     ddp_chunks: list[DistributedDataParallel] = []
     for chunk in model_chunks:
@@ -51,7 +58,14 @@ def get_optimizer(
                 "set the same value in both",
             )
     _check_model_dtype(config, ddp_chunks)
-    groups = get_param_groups(ddp_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    groups = get_param_groups(
+        ddp_chunks,
+        no_weight_decay_cond,
+        scale_lr_cond,
+        lr_mult,
+        config.decoupled_lr,
+        config.decoupled_min_lr,
+    )
     cls = DistributedOptimizer if config.use_distributed_optimizer else MixedPrecisionOptimizer
     return cls(config, ddp_chunks, groups, grid=grid, stats_groups=stats_groups)
 
