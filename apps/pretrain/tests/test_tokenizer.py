@@ -40,7 +40,7 @@ def test_null_tokenizer():
     tok = NullTokenizer(100)
     assert tok.tokenize("1 2  30") == [1, 2, 30]
     assert tok.detokenize([4, 5]) == "4 5"
-    assert (tok.vocab_size, tok.eod) == (101, 100)
+    assert (tok.vocab_size, tok.eod) == (100, 99)  # Megatron's: eod = vocab_size - 1
 
 
 def test_trained_bpe_round_trips_and_compresses(bpe_dir):
@@ -108,10 +108,10 @@ def test_gpt2_style_vocab_and_merges(bpe_dir, tmp_path):
 
 def test_factory_errors(tmp_path):
     with pytest.raises(
-        ValueError, match="--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"
+        ValueError, match="--tokenizer-type=HuggingFaceTokenizer: needs --tokenizer-model"
     ):
         build_tokenizer("HuggingFaceTokenizer")
-    with pytest.raises(ValueError, match="--tokenizer-type 'SentencePiece' is not supported"):
+    with pytest.raises(ValueError, match="--tokenizer-type=SentencePiece: not a supported"):
         build_tokenizer("SentencePiece")
     with pytest.raises(ValueError, match="needs --vocab-size"):
         build_tokenizer("NullTokenizer")

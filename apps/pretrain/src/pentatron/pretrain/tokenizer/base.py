@@ -25,7 +25,21 @@ class Tokenizer(ABC):
 
     @property
     def pad(self) -> int:
-        """Padding id (the end-of-document id unless the tokenizer has its own)."""
+        """Padding id (the end-of-document id unless the tokenizer has its own).
+
+        Always a real row of the embedding: the dataset writes it into token positions (and
+        masks them by position), so "no pad token" (Megatron's -1) falls back to `eod`.
+        """
+        return self.eod
+
+    @property
+    def bos(self) -> int | None:
+        """Beginning-of-sequence id, or None when the tokenizer has none."""
+        return None
+
+    @property
+    def eos(self) -> int:
+        """End-of-sequence id (the end-of-document id unless the tokenizer has its own)."""
         return self.eod
 
     @abstractmethod
@@ -38,6 +52,11 @@ class Tokenizer(ABC):
         return (
             f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
         )
+
+
+def flag_error(flag: str, value: object, rule: str, fix: str) -> str:
+    """One line naming the flag, why and the fix (the format of `arguments_validate`)."""
+    return f"--{flag}={value}: {rule}; fix: {fix}"
 
 
 def as_int_list(ids) -> list[int]:

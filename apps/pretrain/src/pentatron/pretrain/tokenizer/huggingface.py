@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from .base import Tokenizer, as_int_list
@@ -44,7 +45,16 @@ def _read_json(path: Path) -> dict:
 class HuggingFaceTokenizer(Tokenizer):
     name = "HuggingFaceTokenizer"
 
-    def __init__(self, path: str | os.PathLike[str], add_special_tokens: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        add_special_tokens: bool = True,
+        special_tokens: Sequence[str] = (),
+    ):
+        """`add_special_tokens`: the post-processor's BOS/EOS on `tokenize` (Megatron's
+        `--tokenizer-hf-no-include-special-tokens` turns it off). `special_tokens` (Megatron's
+        `--tokenizer-special-tokens`): made special, appended as new ids when not in the vocab.
+        """
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
@@ -79,9 +89,12 @@ class HuggingFaceTokenizer(Tokenizer):
             raise ValueError(
                 f"--tokenizer-model {path}: not a valid Hugging Face tokenizer ({exc})"
             ) from None
+        if special_tokens:
+            self._tok.add_special_tokens(list(special_tokens))
         self.path = str(path)
         self.add_special_tokens = add_special_tokens
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._bos = self._find(vocab, _token_text(config.get("bos_token")), ())
         eod = self._find(vocab, _token_text(config.get("eos_token")), EOD_CANDIDATES)
         if eod is None:
             raise ValueError(
@@ -109,6 +122,11 @@ class HuggingFaceTokenizer(Tokenizer):
     @property
     def pad(self) -> int:
         return self._pad
+
+    @property
+    def bos(self) -> int | None:
+        """The `bos_token` of tokenizer_config.json / special_tokens_map.json, if any."""
+        return self._bos
 
     @property
     def backend(self):
