@@ -17,12 +17,16 @@ def _fmt(value: Any, spec: str) -> str:
     return "nan" if value is None else format(value, spec)
 
 
-def format_train_line(record: dict[str, Any], train_iters: int) -> str:
-    """One interval as Megatron's `training_log` prints it (fields missing from `record` left out).
+def format_train_line(
+    record: dict[str, Any], train_iters: int, *, log_throughput: bool = True
+) -> str:
+    """One interval as Megatron's `training_log` prints it (fields missing from `record` left
+    out; TFLOP/s/device only with `log_throughput`, Megatron's --log-throughput).
 
     ` iteration   10/ 100 | consumed samples:  640 | elapsed time per iteration (ms): 812.3 |
     tokens/s: 80673 | TFLOP/s/device: 41.2 | learning rate: 3.000000E-04 | global batch
     size:    64 | lm loss: 6.412345E+00 | loss scale: 1.0 | grad norm: 1.234 | ... |
+    params norm: 262.641 |
     number of skipped iterations:   0 | number of nan iterations:   0 | ETA 0:20:31 |`
     """
     width = len(str(train_iters))
@@ -33,7 +37,7 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
         parts.append(f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1e3:.1f}")
     if record.get("tokens_per_s") is not None:
         parts.append(f"tokens/s: {record['tokens_per_s']:.0f}")
-    if record.get("tflops_per_device") is not None:
+    if log_throughput and record.get("tflops_per_device") is not None:
         tflops = record["tflops_per_device"]
         # CPU runs reach a few GFLOP/s: below 1 keep three significant digits.
         parts.append(
@@ -53,6 +57,8 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
         parts.append(f"grad norm: {record['grad_norm']:.3f}")
     if record.get("num_zeros") is not None:
         parts.append(f"num zeros: {record['num_zeros']:.1f}")
+    if record.get("params_norm") is not None:
+        parts.append(f"params norm: {record['params_norm']:.3f}")
     if record.get("memory_bytes") is not None:
         parts.append(f"max memory (MB): {record['memory_bytes'] / 2**20:.1f}")
     parts.append(f"number of skipped iterations: {record['skipped_iterations']:3d}")

@@ -1,8 +1,8 @@
 """What one log interval gathered: sums and counts, summarised every `log_interval` steps.
 
 Counting follows Megatron's `training_log`: the loss is averaged over the iterations that
-advanced (not skipped), the learning rate, loss scale, grad norm and zero count are the last
-iteration's, and the iteration time is the mean over every iteration of the interval. One
+advanced (not skipped), the learning rate, loss scale, grad norm, zero count and params norm
+are the last iteration's, and the iteration time is the mean over every iteration of the interval. One
 difference: an iteration whose loss is NaN/Inf (or that the loop flags `"nan": 1`) is counted
 as a nan iteration whether or not the optimizer skipped it, and is left out of the mean loss (so one bad step does not turn
 the interval's loss into NaN; the nan count shows it).
@@ -52,6 +52,7 @@ class IntervalSummary:
     global_batch_size: int | None
     memory_bytes: int | None
     moe_losses: dict[str, list[float]] | None = None  # MoE aux loss -> per-layer mean
+    params_norm: float | None = None  # the last iteration's (--log-params-norm)
 
 
 @dataclass
@@ -92,7 +93,14 @@ class IntervalStats:
             self.time_count += 1
             self.tokens.add(tokens, float(elapsed))
             self.flops.add(flops, float(elapsed))
-        for key in ("lr", "grad_norm", "loss_scale", "num_zeros", "global_batch_size"):
+        for key in (
+            "lr",
+            "grad_norm",
+            "loss_scale",
+            "num_zeros",
+            "global_batch_size",
+            "params_norm",
+        ):
             if key in metrics:
                 self.last[key] = None if metrics[key] is None else float(metrics[key])
         memory = metrics.get("memory")
@@ -127,6 +135,7 @@ class IntervalStats:
                 name: [v / self.moe_count for v in layers] for name, layers in self.moe_sum.items()
             }
             or None,
+            params_norm=self.last.get("params_norm"),
         )
 
     def reset(self) -> None:

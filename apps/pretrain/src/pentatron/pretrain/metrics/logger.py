@@ -3,7 +3,11 @@
 Only the rank that logs (Megatron: the last rank, which holds the loss) passes
 `enabled=True`; on every other rank each method returns at once and no file is opened.
 Every `log_interval` iterations (and at `train_iters`) the interval's figures become one
-record, which goes to the console (Megatron's line), to TensorBoard and to the JSONL file.
+record, which goes to the console (Megatron's line), to the JSONL file, to TensorBoard and
+to wandb. With `tensorboard_log_interval` set (the app: Megatron's
+--tensorboard-log-interval), TensorBoard and wandb get the loss, lr and norms of every
+`tensorboard_log_interval`-th iteration as Megatron writes them, and the interval figures
+(timers, counts) at the log intervals; without it (None) everything with the record.
 """
 
 from __future__ import annotations
@@ -14,8 +18,16 @@ from typing import Any
 
 from .console import ConsoleSink, format_eval_lines, format_train_line
 from .interval import IntervalStats, moe_record
-from .sinks import JsonlSink, TensorBoardSink
-from .throughput import format_eta, peak_memory_bytes, tflops_per_device
+from .sinks import (
+    JsonlSink,
+    Scalar,
+    TensorBoardSink,
+    WandbSink,
+    eval_scalars,
+    interval_scalars,
+    iteration_scalars,
+)
+from .throughput import format_eta, memory_scalars, peak_memory_bytes, tflops_per_device
 
 
 class TrainingLogger:
@@ -27,13 +39,20 @@ class TrainingLogger:
     `"memory"` (bytes; if absent the logger asks `peak_memory_bytes()`), `"nan"` (0/1, the
     loop's own finiteness check), `"consumed_samples"` (else `iteration * global_batch_size`),
     `"global_batch_size"` (this iteration's, under batch-size ramp-up), `"tokens"` and
-    `"flops"` (this iteration's, overriding the constants below).
+    `"flops"` (this iteration's, overriding the constants below), `"params_norm"`.
 
     `flops_per_iteration` is the model FLOPs of one step on the global batch
     (`num_floating_point_operations(config, s, V, global_batch_size)`), and
     `tokens_per_iteration` that batch's tokens (`global_batch_size * seq_length`). With
     `seq_length` and a per-iteration `"global_batch_size"`, both are scaled to that batch.
     Without them the line has no TFLOP/s or tokens/s.
+
+    What is written besides the loss (the defaults write everything; `default_logger` sets
+    them from Megatron's flags, which default to off): `log_throughput` TFLOP/s on the line,
+    `log_timers_to_tensorboard` the iteration time and throughput scalars,
+    `log_memory_to_tensorboard` `memory_scalars()`, `log_validation_ppl_to_tensorboard` the
+    validation perplexity. The JSONL record always holds every figure. `wandb_init`: the
+    keywords of `wandb.init` (project, name, dir, entity, config), or None for no wandb.
     """
 
     def __init__(
@@ -51,9 +70,20 @@ class TrainingLogger:
         console: Any = None,
         global_batch_size: int | None = None,
         seq_length: int | None = None,
+        log_throughput: bool = True,
+        log_timers_to_tensorboard: bool = True,
+        log_memory_to_tensorboard: bool = True,
+        log_validation_ppl_to_tensorboard: bool = True,
+        tensorboard_log_interval: int | None = None,
+        tensorboard_queue_size: int = 10,
+        wandb_init: dict[str, Any] | None = None,
     ) -> None:
         if log_interval < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
+        if tensorboard_log_interval is not None and tensorboard_log_interval < 1:
+            raise ValueError(
+                f"tensorboard_log_interval must be >= 1, got {tensorboard_log_interval}"
+            )
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.enabled = enabled
@@ -64,10 +94,15 @@ class TrainingLogger:
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
         self.world_size = world_size
+        self.log_throughput = log_throughput
+        self.log_timers_to_tensorboard = log_timers_to_tensorboard
+        self.log_memory_to_tensorboard = log_memory_to_tensorboard
+        self.log_validation_ppl_to_tensorboard = log_validation_ppl_to_tensorboard
+        self.tensorboard_log_interval = tensorboard_log_interval
         self._stats = IntervalStats()
         self._consumed_samples: int | None = None
         self._jsonl: JsonlSink | None = None
-        self._tensorboard: TensorBoardSink | None = None
+        self._scalar_sinks: list[TensorBoardSink | WandbSink] = []
         self._console: ConsoleSink | None = None
         if not enabled:
             return
@@ -75,7 +110,20 @@ class TrainingLogger:
         if jsonl_path:
             self._jsonl = JsonlSink(jsonl_path)
         if tensorboard_dir:
-            self._tensorboard = TensorBoardSink(tensorboard_dir)
+            self._scalar_sinks.append(TensorBoardSink(tensorboard_dir, tensorboard_queue_size))
+        if wandb_init is not None:
+            self._scalar_sinks.append(WandbSink(wandb_init))
+
+    def _write_scalars(self, iteration: int, scalars: list[Scalar], flush: bool) -> None:
+        for sink in self._scalar_sinks:
+            sink.write(iteration, scalars)
+            if flush:
+                sink.flush()
+
+    def _memory_scalars(self, iteration: int) -> list[Scalar]:
+        if not self.log_memory_to_tensorboard:
+            return []
+        return [(tag, value, iteration) for tag, value in memory_scalars().items()]
 
     # ---- per iteration ------------------------------------------------------------------
 
@@ -92,17 +140,45 @@ class TrainingLogger:
         elif batch is not None:
             self._consumed_samples = iteration * batch
         assert self._console is not None
+        every = self.tensorboard_log_interval
+        if self._scalar_sinks and every is not None and iteration % every == 0:
+            scalars = iteration_scalars(self._iteration_record(iteration, metrics, batch))
+            self._write_scalars(iteration, scalars + self._memory_scalars(iteration), False)
         if iteration % self.log_interval and iteration != self.train_iters:
             self._console.step(iteration)
             return
         record = self._train_record(iteration)
         self._stats.reset()
         self._console.step(iteration, self._status(record))
-        self._console.print(format_train_line(record, self.train_iters))
+        self._console.print(
+            format_train_line(record, self.train_iters, log_throughput=self.log_throughput)
+        )
         if self._jsonl is not None:
             self._jsonl.write(record)
-        if self._tensorboard is not None:
-            self._tensorboard.write_train(record)
+        if self._scalar_sinks:
+            scalars = interval_scalars(
+                record, timers=self.log_timers_to_tensorboard, throughput=self.log_throughput
+            )
+            if every is None:
+                scalars = iteration_scalars(record) + self._memory_scalars(iteration) + scalars
+            self._write_scalars(iteration, scalars, True)
+
+    def _iteration_record(
+        self, iteration: int, metrics: dict[str, Any], batch: int | None
+    ) -> dict[str, Any]:
+        """One iteration's figures under the record's keys (what Megatron writes to
+        TensorBoard every --tensorboard-log-interval iterations)."""
+        loss = metrics.get("lm loss", metrics.get("lm_loss"))
+        return {
+            "iteration": iteration,
+            "consumed_samples": self._consumed_samples,
+            "global_batch_size": batch,
+            "lm_loss": None if loss is None else float(loss),
+            **{
+                key: metrics.get(key)
+                for key in ("lr", "grad_norm", "loss_scale", "num_zeros", "params_norm")
+            },
+        }
 
     def _tokens(self, metrics: dict[str, Any], batch: int | None) -> float | None:
         if metrics.get("tokens") is not None:
@@ -151,6 +227,7 @@ class TrainingLogger:
             "tokens_per_s": tokens_s,
             "tflops_per_device": tflops,
             "memory_bytes": memory,
+            "params_norm": s.params_norm,
             **moe_record(s.moe_losses),
             "eta_s": dt * max(0, self.train_iters - iteration) if dt is not None else None,
         }
@@ -201,8 +278,9 @@ class TrainingLogger:
             self._console.print(line)
         if self._jsonl is not None:
             self._jsonl.write(record)
-        if self._tensorboard is not None:
-            self._tensorboard.write_eval(record, label)
+        if self._scalar_sinks:
+            ppl_scalars = self.log_validation_ppl_to_tensorboard
+            self._write_scalars(iteration, eval_scalars(record, label, ppl=ppl_scalars), True)
 
     def close(self) -> None:
         """Stop the progress bar and close the files (safe to call twice)."""
@@ -213,9 +291,9 @@ class TrainingLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        for sink in self._scalar_sinks:
+            sink.close()
+        self._scalar_sinks = []
 
     def __enter__(self) -> TrainingLogger:
         return self

@@ -1,4 +1,12 @@
-"""The two files a run writes: a JSONL of records and TensorBoard event files."""
+"""Where records go: a JSONL file, TensorBoard event files, Weights & Biases.
+
+TensorBoard and wandb take the same scalars, `(tag, value, x)` with Megatron's tags; `x` is
+the iteration, or the consumed samples for the `... vs samples` tags (which wandb, whose
+x-axis is the step, leaves out). Which scalars a record gives is decided here:
+`iteration_scalars` (loss, lr, norms: Megatron writes them every --tensorboard-log-interval
+iterations), `interval_scalars` (timers, counts, MoE: at each log interval) and
+`eval_scalars`.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +15,81 @@ import math
 import os
 from typing import Any
 
-# TensorBoard tag -> JSONL record key, for the per-interval training scalars (Megatron's tags).
-TRAIN_TAGS = {
+Scalar = tuple[str, float, int]  # tag, value, x
+
+# TensorBoard tag -> record key: one iteration's figures (Megatron's tags).
+ITERATION_TAGS = {
     "lm loss": "lm_loss",
     "learning-rate": "lr",
     "grad-norm": "grad_norm",
     "loss-scale": "loss_scale",
     "num-zeros": "num_zeros",
+    "params-norm": "params_norm",
     "batch-size": "global_batch_size",
-    "iteration-time": "iteration_time_s",
-    "throughput/tokens_per_s": "tokens_per_s",
-    "throughput/tflops_per_device": "tflops_per_device",
-    "mem-max-allocated-bytes": "memory_bytes",
-    "skipped-iterations": "skipped_iterations",
-    "nan-iterations": "nan_iterations",
 }
+# Over the interval, with --log-timers-to-tensorboard (Megatron: iteration-time).
+TIMER_TAGS = {"iteration-time": "iteration_time_s", "throughput/tokens_per_s": "tokens_per_s"}
+# With --log-timers-to-tensorboard and --log-throughput (Megatron: throughput, TFLOP/s/GPU).
+THROUGHPUT_TAGS = {
+    "throughput": "tflops_per_device",
+    "throughput/tflops_per_device": "tflops_per_device",
+}
+COUNT_TAGS = {"skipped-iterations": "skipped_iterations", "nan-iterations": "nan_iterations"}
+
+
+def _pick(record: dict[str, Any], tags: dict[str, str], x: int) -> list[Scalar]:
+    return [
+        (tag, float(record[key]), x) for tag, key in tags.items() if record.get(key) is not None
+    ]
+
+
+def _vs_samples(record: dict[str, Any], pairs: dict[str, str]) -> list[Scalar]:
+    samples = record.get("consumed_samples")
+    if samples is None:
+        return []
+    return [
+        (f"{tag} vs samples", float(record[key]), int(samples))
+        for tag, key in pairs.items()
+        if record.get(key) is not None
+    ]
+
+
+def iteration_scalars(record: dict[str, Any]) -> list[Scalar]:
+    """Loss, lr, grad / params norm, loss scale, batch size of `record` (one iteration's, or
+    an interval's), also against consumed samples for the loss and the params norm."""
+    return _pick(record, ITERATION_TAGS, record["iteration"]) + _vs_samples(
+        record, {"lm loss": "lm_loss", "params-norm": "params_norm"}
+    )
+
+
+def interval_scalars(record: dict[str, Any], *, timers: bool, throughput: bool) -> list[Scalar]:
+    """Skipped / nan counts and MoE aux losses of an interval record; with `timers` the
+    iteration time and tokens/s, and with `throughput` too the TFLOP/s per device."""
+    iteration = record["iteration"]
+    out = _pick(record, COUNT_TAGS, iteration)
+    if timers:
+        out += _pick(record, TIMER_TAGS, iteration)
+        if throughput:
+            out += _pick(record, THROUGHPUT_TAGS, iteration)
+    for key, value in record.items():  # MoE aux losses: mean and per layer
+        if key.startswith("moe_") and key.endswith("_per_layer"):
+            name = key[len("moe_") : -len("_per_layer")]
+            if record.get(f"moe_{name}") is not None:
+                out.append((name, float(record[f"moe_{name}"]), iteration))
+            out += [
+                (f"moe/{name}_layer_{layer}", float(v), iteration)
+                for layer, v in enumerate(value, start=1)
+                if v is not None
+            ]
+    return out
+
+
+def eval_scalars(record: dict[str, Any], label: str, *, ppl: bool) -> list[Scalar]:
+    """`lm loss <label>` (and its perplexity with `ppl`), by iteration and by samples."""
+    pairs = {f"lm loss {label}": "lm_loss"}
+    if ppl:
+        pairs[f"lm loss {label} ppl"] = "ppl"
+    return _pick(record, pairs, record["iteration"]) + _vs_samples(record, pairs)
 
 
 def _json_safe(value: Any) -> Any:
@@ -53,43 +121,53 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """`torch.utils.tensorboard.SummaryWriter` scalars, flushed at every log interval."""
+    """`torch.utils.tensorboard.SummaryWriter` scalars; events go to disk when `max_queue`
+    are pending, every 2 minutes, and at each `flush()` (the logger's log intervals)."""
 
-    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str], max_queue: int = 10) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:  # torch raises this when `tensorboard` is missing
             raise ImportError(
                 "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
             ) from error
-        self.writer = SummaryWriter(log_dir=os.fspath(log_dir))
+        self.writer = SummaryWriter(log_dir=os.fspath(log_dir), max_queue=max_queue)
 
-    def _add(self, tag: str, value: Any, step: int) -> None:
-        if value is not None:
-            self.writer.add_scalar(tag, float(value), step)
+    def write(self, iteration: int, scalars: list[Scalar]) -> None:
+        for tag, value, x in scalars:
+            self.writer.add_scalar(tag, value, x)
 
-    def write_train(self, record: dict[str, Any]) -> None:
-        iteration = record["iteration"]
-        for tag, key in TRAIN_TAGS.items():
-            self._add(tag, record.get(key), iteration)
-        for key, value in record.items():  # MoE aux losses: mean and per layer
-            if key.startswith("moe_") and key.endswith("_per_layer"):
-                name = key[len("moe_") : -len("_per_layer")]
-                self._add(name, record.get(f"moe_{name}"), iteration)
-                for layer, v in enumerate(value, start=1):
-                    self._add(f"moe/{name}_layer_{layer}", v, iteration)
-        if record.get("consumed_samples") is not None:
-            self._add("lm loss vs samples", record.get("lm_loss"), record["consumed_samples"])
-        self.writer.flush()
-
-    def write_eval(self, record: dict[str, Any], label: str = "validation") -> None:
-        iteration = record["iteration"]
-        self._add(f"lm loss {label}", record.get("lm_loss"), iteration)
-        self._add(f"lm loss {label} ppl", record.get("ppl"), iteration)
-        if record.get("consumed_samples") is not None:
-            samples = record["consumed_samples"]
-            self._add(f"lm loss {label} vs samples", record.get("lm_loss"), samples)
+    def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run (`wandb.init(**init)`); scalars logged at step = iteration.
+    With WANDB_MODE=offline the run is written under `init["dir"]` only (`wandb sync`
+    uploads it later)."""
+
+    def __init__(self, init: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError(
+                "--wandb-project needs the wandb package: pip install 'pentatron-pretrain[wandb]'"
+            ) from error
+        kwargs = {key: value for key, value in init.items() if value is not None}
+        if kwargs.get("dir"):
+            os.makedirs(kwargs["dir"], exist_ok=True)
+        self.run = wandb.init(**kwargs)
+
+    def write(self, iteration: int, scalars: list[Scalar]) -> None:
+        values = {tag: value for tag, value, _ in scalars if not tag.endswith(" vs samples")}
+        if values:
+            self.run.log(values, step=iteration)
+
+    def flush(self) -> None:
+        pass  # wandb streams in the background
+
+    def close(self) -> None:
+        self.run.finish()

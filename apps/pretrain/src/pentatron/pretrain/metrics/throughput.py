@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -35,6 +36,33 @@ def peak_memory_bytes() -> int:
         return int(torch.cuda.max_memory_allocated())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def memory_scalars() -> dict[str, float]:
+    """Megatron's --log-memory-to-tensorboard scalars.
+
+    CUDA (when initialised): `torch.cuda.memory_stats()`'s reserved, allocated and peak
+    allocated bytes and the live allocation count, under Megatron's tags. CPU has no caching
+    allocator: `mem-allocated-bytes` is the process's current resident set size (Linux) and
+    `mem-max-allocated-bytes` its peak.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        return {
+            "mem-reserved-bytes": float(stats["reserved_bytes.all.current"]),
+            "mem-allocated-bytes": float(stats["allocated_bytes.all.current"]),
+            "mem-max-allocated-bytes": float(stats["allocated_bytes.all.peak"]),
+            "mem-allocated-count": float(stats["allocation.all.current"]),
+        }
+    out = {"mem-max-allocated-bytes": float(peak_memory_bytes())}
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:  # pages: size resident ...
+            out["mem-allocated-bytes"] = float(
+                int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            )
+    except OSError:  # no /proc (macOS): the peak only
+        pass
+    return out
 
 
 def format_eta(seconds: float) -> str:
