@@ -40,7 +40,7 @@ MODEL = [
     "2",
     "--mock-data",
     "--vocab-size",
-    "255",
+    "256",
     "--make-vocab-size-divisible-by",
     "32",
     "--lr",

@@ -72,7 +72,10 @@ def test_cp2_pp2_matches_one_process(distributed, reference):
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["--seq-length", "18"], "seq-length=18.*divisible by 2\\*cp"),
+        (
+            ["--seq-length", "18", "--max-position-embeddings", "18"],
+            "seq-length=18.*divisible by 2\\*cp",
+        ),
         (["--cp-comm-type", "a2a", "--num-query-groups", "1"], "num-query-groups"),
         (["--attention-dropout", "0.1"], "attention-dropout"),
     ],

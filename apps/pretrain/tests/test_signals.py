@@ -40,7 +40,7 @@ ARGS = [
     "2",
     "--mock-data",
     "--vocab-size",
-    "255",
+    "256",
     "--make-vocab-size-divisible-by",
     "32",
     "--eval-iters",

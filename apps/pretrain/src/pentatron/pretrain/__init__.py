@@ -1,5 +1,5 @@
 """pentatron.pretrain: the GPT pretraining application (data, tokenizers, checkpoints, training)."""
 
-__version__ = "0.2.3"
+__version__ = "0.3.0"
 
 __all__: list[str] = []

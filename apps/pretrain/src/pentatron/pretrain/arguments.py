@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .arguments_compat import add_compat_args
+from .arguments_logging import add_logging_args
 from .arguments_validate import ArgumentError, validate_args
 
 __all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args"]
@@ -29,11 +31,27 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
-        "--position-embedding-type", default="rope", choices=["learned_absolute", "rope"]
+        "--max-position-embeddings", type=int, default=None, help="default: --seq-length"
+    )
+    g.add_argument(
+        "--position-embedding-type",
+        default="rope",
+        choices=["learned_absolute", "rope", "none"],
     )
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument(
+        "--no-position-embedding",
+        dest="add_position_embedding",
+        action="store_false",
+        help="deprecated in Megatron: refused unless --position-embedding-type rope",
+    )
+    g.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="zero-centred norm weights, applied as (1 + weight)",
+    )
     g.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
@@ -43,7 +61,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="SwiGLU through plain autograd, which also keeps silu(gate) for backward",
     )
-    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -51,11 +69,39 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["flash", "fused", "unfused", "local", "auto"],
+        help="the SDPA kernel: flash (FlashAttention), fused (cuDNN / memory-efficient), "
+        "unfused and local (PyTorch maths), auto (SDPA chooses)",
+    )
+    g.add_argument("--recompute-activations", action="store_true", help="= selective")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-modules", nargs="*", default=None)
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"])
+    g.add_argument(
+        "--transformer-impl",
+        default="local",
+        choices=["local", "transformer_engine"],
+        help="transformer_engine falls back to local (same numerics) where it is not "
+        "installed or there is no GPU, said once at start-up",
+    )
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
+    g.add_argument(
+        "--no-gradient-accumulation-fusion",
+        dest="gradient_accumulation_fusion",
+        action="store_false",
+        help="weight grads into a temporary, then added to main_grad (not fused)",
+    )
+    g.add_argument(
+        "--disable-bf16-reduced-precision-matmul",
+        action="store_true",
+        help="cuBLAS bf16 GEMMs keep full-precision reductions",
+    )
     g.add_argument(
         "--enable-cuda-graph",
         action="store_true",
@@ -85,7 +131,13 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"])
+    g.add_argument(
+        "--cp-comm-type",
+        nargs="+",
+        default=["p2p"],
+        choices=["p2p", "allgather", "all_gather", "a2a", "a2a+p2p"],
+        help="one type for every layer (Megatron's per-layer list is accepted when all agree)",
+    )
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: tp")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -98,6 +150,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument(
+        "--grad-reduce-in-bf16", action="store_true", help="with --bf16: grads reduced in bf16"
+    )
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
@@ -148,8 +203,13 @@ def _moe(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     g.add_argument(
-        "--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"]
+        "--moe-token-dispatcher-type",
+        default="allgather",
+        choices=["allgather", "alltoall", "flex"],
+        help="flex (DeepEP / HybridEP kernels) is refused: it needs those GPU packages",
     )
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"])
+    g.add_argument("--moe-router-force-load-balancing", action="store_true")
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
@@ -169,6 +229,13 @@ def _optimizer(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument(
+        "--decoupled-lr", type=float, default=None, help="lr of the embedding and output layer"
+    )
+    g.add_argument("--decoupled-min-lr", type=float, default=None)
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     g.add_argument("--lr-wsd-decay-style", default="exponential")
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -228,43 +295,72 @@ def _training(p: argparse.ArgumentParser) -> None:
 def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--split", default=None, help="default with --data-path: 969, 30, 1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument(
+        "--dataloader-type", default=None, choices=["single", "cyclic"], help="default: single"
+    )
     g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument(
+        "--no-mmap-bin-files",
+        dest="mmap_bin_files",
+        action="store_false",
+        help="read the .bin files into memory instead of mapping them",
+    )
     g.add_argument("--tokenizer-type", default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / mock data")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
+    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"], help="default v2")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+", default=None)
+    g.add_argument("--null-tokenizer-eod-id", type=int, default=None)
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1)
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
 
 
-def _checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
+def _checkpointing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true", default=None)
+    g.add_argument("--no-load-rng", action="store_true", default=None)
+    g.add_argument("--no-save-optim", action="store_true", default=None)
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not latest")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--ckpt-keep-last", type=int, default=None)
     g.add_argument(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="read --load's format from the checkpoint (legacy formats are refused by name)",
+    )
+    g.add_argument(
+        "--dist-ckpt-strictness",
+        default="assume_ok_unexpected",
+        choices=[
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        ],
+        help="what loading does with keys the checkpoint and the model do not share",
+    )
+    g.add_argument(
         "--ckpt-format",
         default="torch_dist",
         help="torch_dist only: the sharded format we write (others are refused in validation)",
     )
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-jsonl", default=None, help="metrics file (default: in --save)")
-    g.add_argument("--no-progress", action="store_true", help="plain lines, no live bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +369,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-style GPT pretraining (launch with torchrun).",
     )
     p.add_argument("--config", default=None, help="YAML file; keys are these flags' names")
-    for add in (_model, _parallel, _moe, _optimizer, _training, _data, _checkpoint_and_logging):
+    for add in (
+        _model,
+        _parallel,
+        _moe,
+        _optimizer,
+        _training,
+        _data,
+        _checkpointing,
+        add_logging_args,
+        add_compat_args,
+    ):
         add(p)
     return p
 
@@ -285,16 +391,26 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ArgumentError(f"--config {path}: the file must hold a mapping of flag: value")
-    known = {a.dest: a for a in parser._actions}
+    by_flag = {o[2:].replace("-", "_"): a for a in parser._actions for o in a.option_strings}
     out: dict[str, Any] = {}
     for key, value in data.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in known or dest in ("config", "help"):
+        name = str(key).lstrip("-").replace("-", "_")
+        action = by_flag.get(name)
+        if action is None or action.dest in ("config", "help"):
             raise ArgumentError(
                 f"--config {path}: unknown key {key!r}; the rule: keys are the flag names "
                 "(see pentatron-pretrain --help)"
             )
-        convert = known[dest].type
+        dest = action.dest
+        if action.nargs == 0:  # a switch: `true` gives the flag, `false` leaves the default
+            if not isinstance(value, bool):
+                raise ArgumentError(
+                    f"--config {path}: key {key!r} is a switch; fix: write true or false"
+                )
+            if value:
+                out[dest] = action.const
+            continue
+        convert = action.type
         if convert is not None and value is not None:
             if not callable(convert):  # argparse also allows a registered name; ours are callables
                 raise ArgumentError(
@@ -304,10 +420,16 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
                 value = [convert(v) for v in value]
             else:
                 value = convert(value)
-        choices = known[dest].choices
-        if choices is not None and value not in choices:
+        choices = action.choices
+        if action.nargs in ("+", "*") and value is not None and not isinstance(value, list):
+            value = [value]
+        if isinstance(value, list) and action.nargs in ("+", "*"):
+            bad = [v for v in value if choices is not None and v not in choices]
+        else:
+            bad = [] if choices is None or value in choices else [value]
+        if bad:
             raise ArgumentError(
-                f"--config {path}: key {key!r}: {value!r} is not one of {list(choices)}; "
+                f"--config {path}: key {key!r}: {value!r} is not one of {list(choices or [])}; "
                 "fix: use one of them (as on the command line)"
             )
         out[dest] = value

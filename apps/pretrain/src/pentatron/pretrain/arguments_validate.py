@@ -28,6 +28,62 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
             _fail(name.replace("_", "-"), value, "must be >= 1", "pass a positive integer")
 
 
+def _required(args: argparse.Namespace) -> None:
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+
+
+def _megatron_forms(args: argparse.Namespace) -> None:
+    """Megatron's spellings onto ours: --cp-comm-type's per-layer list, --recompute-activations,
+    --no-position-embedding, --attention-backend's device rule, and refusals of what the
+    model cannot do."""
+    kinds = set(args.cp_comm_type) if isinstance(args.cp_comm_type, list) else {args.cp_comm_type}
+    kinds = {"all_gather" if k == "allgather" else k for k in kinds}
+    if len(kinds) != 1 or "a2a+p2p" in kinds:
+        _fail(
+            "cp-comm-type",
+            " ".join(args.cp_comm_type),
+            "one type for every layer, p2p, allgather or a2a (hierarchical a2a+p2p is not built)",
+            "pass one of p2p, allgather, a2a",
+        )
+    args.cp_comm_type = kinds.pop()
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            _fail(
+                "recompute-activations",
+                True,
+                f"means --recompute-granularity selective, not {args.recompute_granularity}",
+                "pass one of them",
+            )
+        args.recompute_granularity = "selective"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        _fail(
+            "no-position-embedding",
+            True,
+            "deprecated in Megatron-LM (it refuses it too unless the positions are RoPE)",
+            "use --position-embedding-type none",
+        )
+    if args.reset_attention_mask:
+        _fail(
+            "reset-attention-mask",
+            True,
+            "attention is causal over the whole sequence (SDPA is_causal); per-document "
+            "masks are not built",
+            "drop --reset-attention-mask (--reset-position-ids and --eod-mask-loss work)",
+        )
+    if args.moe_token_dispatcher_type == "flex":
+        _fail(
+            "moe-token-dispatcher-type",
+            f"flex (--moe-flex-dispatcher-backend {args.moe_flex_dispatcher_backend})",
+            "needs the DeepEP / HybridEP GPU kernels, which are not wired",
+            "use --moe-token-dispatcher-type alltoall",
+        )
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("decoupled-min-lr", args.decoupled_min_lr, "needs --decoupled-lr", "add it")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        _fail("grad-reduce-in-bf16", True, "reduces bf16 grads: needs --bf16", "add --bf16")
+
+
 def _parallel_layout(args: argparse.Namespace, world_size: int) -> None:
     tp, pp, cp = (
         args.tensor_model_parallel_size,
@@ -178,8 +234,6 @@ def _model_shape(args: argparse.Namespace) -> None:
             f"must be divisible by tp={tp}",
             "round it to a multiple of the tensor-parallel size",
         )
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
         _fail(
             "seq-length",
@@ -222,6 +276,56 @@ def _batch(args: argparse.Namespace) -> None:
         )
 
 
+def _iterations_for_samples(args: argparse.Namespace) -> int:
+    """Megatron's update_train_iters: the ramp-up's iterations (each at its global batch),
+    then the constant batch; a last partial batch is dropped."""
+    from .training.microbatches import global_batch_size
+
+    iterations = consumed = 0
+    if args.rampup_batch_size is not None:
+        while consumed <= int(args.rampup_batch_size[2]) and consumed <= args.train_samples:
+            consumed += global_batch_size(args, consumed)
+            iterations += 1
+    if args.train_samples > consumed:
+        iterations += (args.train_samples - consumed) // args.global_batch_size
+    return iterations
+
+
+def _schedule_in_samples(args: argparse.Namespace) -> None:
+    """--train-samples: the lr / wd schedule counts samples (Megatron's rule), so warm-up and
+    decay are --lr-warmup-samples / --lr-decay-samples and iteration counts are refused."""
+    for flag, value in (
+        ("lr-decay-iters", args.lr_decay_iters),
+        ("lr-wsd-decay-iters", args.lr_wsd_decay_iters),
+    ):
+        if value is not None:
+            _fail(
+                flag,
+                value,
+                "with --train-samples the schedule counts samples",
+                f"use --{flag.replace('iters', 'samples')}",
+            )
+    if args.lr_warmup_iters:
+        _fail(
+            "lr-warmup-iters",
+            args.lr_warmup_iters,
+            "with --train-samples the schedule counts samples",
+            "use --lr-warmup-samples",
+        )
+    args.train_iters = _iterations_for_samples(args)
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_samples = int(args.lr_warmup_fraction * args.lr_decay_samples)
+    if args.lr_warmup_samples and args.lr_warmup_samples >= args.lr_decay_samples:
+        _fail(
+            "lr-warmup-samples",
+            args.lr_warmup_samples,
+            f"must be below --lr-decay-samples {args.lr_decay_samples}",
+            "shorten the warm-up",
+        )
+
+
 def _training_length(args: argparse.Namespace) -> None:
     if (args.train_iters is None) == (args.train_samples is None):
         _fail(
@@ -230,15 +334,25 @@ def _training_length(args: argparse.Namespace) -> None:
             "exactly one of --train-iters / --train-samples",
             "pass one of them",
         )
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
     if args.train_samples is not None:
-        if args.rampup_batch_size is not None:
+        _schedule_in_samples(args)
+        return
+    for flag, value in (
+        ("lr-decay-samples", args.lr_decay_samples),
+        ("lr-wsd-decay-samples", args.lr_wsd_decay_samples),
+        ("lr-warmup-samples", args.lr_warmup_samples or None),
+    ):
+        if value is not None:
             _fail(
-                "rampup-batch-size",
-                args.rampup_batch_size,
-                "not with --train-samples",
-                "use --train-iters",
+                flag,
+                value,
+                "with --train-iters the schedule counts iterations",
+                f"use --{flag.replace('samples', 'iters')}",
             )
-        args.train_iters = args.train_samples // args.global_batch_size
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
@@ -250,26 +364,33 @@ def _training_length(args: argparse.Namespace) -> None:
             f"must be below --lr-decay-iters {args.lr_decay_iters}",
             "shorten the warm-up",
         )
-    if args.start_weight_decay is None:
-        args.start_weight_decay = args.weight_decay
-    if args.end_weight_decay is None:
-        args.end_weight_decay = args.weight_decay
 
 
 def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
     if args.fp16 and args.bf16:
         _fail("fp16", True, "--fp16 and --bf16 are exclusive", "pass one")
+    if args.transformer_impl == "transformer_engine" and not cuda:
+        if args.fp8_format:
+            _fail(
+                "fp8-format", args.fp8_format, "needs CUDA and transformer-engine", "drop it on CPU"
+            )
+        args.transformer_impl = "local"
+        args.startup_notes.append(
+            "--transformer-impl transformer_engine: no CUDA device, so the local PyTorch "
+            "spec runs (same numerics)"
+        )
     needs_gpu = {
         "enable-cuda-graph": args.enable_cuda_graph,
         "fp8-format": args.fp8_format,
-        "transformer-impl": args.transformer_impl == "transformer_engine",
+        # torch has a CPU FlashAttention kernel; cuDNN / memory-efficient ones are CUDA's
+        "attention-backend": args.attention_backend if args.attention_backend == "fused" else None,
     }
     for flag, value in needs_gpu.items():
         if value and not cuda:
             _fail(
                 flag,
                 value,
-                "needs CUDA (and transformer-engine for fp8 / TE)",
+                "needs CUDA (and transformer-engine for fp8)",
                 "drop the flag on CPU",
             )
     if args.enable_cuda_graph:
@@ -279,7 +400,7 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
             "fp8-format",
             args.fp8_format,
             "FP8 runs through the transformer-engine spec",
-            "add --transformer-impl transformer_engine",
+            "install transformer-engine and pass --transformer-impl transformer_engine",
         )
     if args.device == "cuda" and not cuda:
         _fail("device", "cuda", "torch sees no CUDA device here", "use --device cpu or auto")
@@ -391,6 +512,8 @@ def _compile(args: argparse.Namespace) -> None:
 
 
 def _data_and_checkpoints(args: argparse.Namespace) -> None:
+    args.split = "969,30,1" if args.split is None else args.split  # Megatron's, with data
+    args.dataloader_type = args.dataloader_type or "single"
     if args.data_path:
         from .data.builder import parse_data_path
 
@@ -451,7 +574,18 @@ def _model_config(args: argparse.Namespace) -> None:
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False):
-    """Check `args` for `world_size` processes; fill the derived values; return `args`."""
+    """Check `args` for `world_size` processes; fill the derived values; return `args`.
+
+    `args.startup_notes`: lines the app prints once at start-up (Megatron flags that select
+    what runs anyway, and defaults that cannot hold here)."""
+    from .arguments_compat import resolve_compat
+    from .arguments_logging import validate_logging_args
+
+    args.startup_notes = []
+    _required(args)
+    _megatron_forms(args)
+    args.startup_notes += resolve_compat(args)
+    validate_logging_args(args, world_size, cuda)
     _check_positive(
         args,
         "num_layers",

@@ -64,6 +64,12 @@ def build_tokenizer_for(args: argparse.Namespace):
         args.vocab_file,
         args.merge_file,
         cache_dir=args.data_cache_path,
+        special_tokens=args.special_tokens,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        null_tokenizer_eod_id=args.null_tokenizer_eod_id,
+        null_tokenizer_pad_id=args.null_tokenizer_pad_id,
+        tokenizer_hf_no_include_special_tokens=args.tokenizer_hf_no_include_special_tokens,
     )
 
 
@@ -97,6 +103,7 @@ def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int], grid) 
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
+        mmap_bin_files=args.mmap_bin_files,
     )
     return build_train_valid_test_datasets(
         args.data_path,
@@ -224,6 +231,8 @@ def _load(args, chunks, optimizer, scheduler, grid, config):
         load_rng=not args.no_load_rng,
         finetune=args.finetune,
         iteration=args.ckpt_step,
+        strictness=args.dist_ckpt_strictness,
+        auto_detect_format=args.auto_detect_ckpt_format,
     )
 
 
@@ -263,6 +272,7 @@ def default_logger(args, grid, chunks):
     Megatron). JSONL goes to --log-jsonl, else <--save>/metrics.jsonl, else nowhere."""
     from pentatron.models import num_floating_point_operations
 
+    from .arguments_logging import logger_kwargs
     from .metrics import TrainingLogger
 
     model = chunks[-1].module
@@ -282,6 +292,7 @@ def default_logger(args, grid, chunks):
         world_size=world,
         global_batch_size=args.global_batch_size,
         seq_length=args.seq_length,
+        **logger_kwargs(args),
     )
 
 
@@ -304,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(f"pentatron-pretrain: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGUMENTS
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in args.startup_notes:  # Megatron flags that select what runs anyway
+            print(f"pentatron-pretrain: note: {note}", flush=True)
     state, code = None, EXIT_OK
     try:
         state = pretrain(args)

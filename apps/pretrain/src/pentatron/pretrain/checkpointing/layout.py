@@ -72,3 +72,22 @@ def prune(root: str, keep_last: int) -> list[int]:
     for i in old:
         shutil.rmtree(iter_dir(root, i), ignore_errors=True)
     return old
+
+
+def detect_format(path: str) -> str:
+    """The format of the checkpoint folder `path` (Megatron's --auto-detect-ckpt-format):
+    "torch_dist" for ours (DCP files + common.json), "megatron-<backend>" for a Megatron-LM
+    distributed checkpoint (metadata.json names its backend), "torch" for Megatron-LM's
+    legacy per-rank files (mp_rank_*/model_optim_rng.pt), "unknown" otherwise."""
+    import json
+
+    if os.path.isfile(os.path.join(path, "common.json")):
+        return "torch_dist"
+    meta = os.path.join(path, "metadata.json")
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend", "unknown")
+        return f"megatron-{backend}"
+    if any(name.startswith("mp_rank_") for name in os.listdir(path)):
+        return "torch"
+    return "unknown"

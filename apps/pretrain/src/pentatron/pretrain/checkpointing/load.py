@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,8 @@ from .common_state import (
 )
 from .common_state import layout as grid_layout
 from .fsdp2_optimizer_state import FSDP2OptimizerLoad
-from .model_state import model_load_entries
+from .model_state import PREFIX as MODEL_PREFIX
+from .model_state import model_keys, model_load_entries
 from .optimizer_state import OptimizerLoad, refresh_main_from_model
 from .rng_state import restore_rng, rng_load_entries
 
@@ -47,12 +48,55 @@ class LoadedCheckpoint:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-def _check_present(wanted: dict[str, Any], saved: dict[str, Any], path: str, hint: str) -> None:
+def _check_present(wanted: Collection[str], saved: Collection[str], path: str, hint: str) -> None:
     missing = sorted(k for k in wanted if k not in saved)
     if missing:
         raise IncompatibleCheckpointError(
             f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}; {hint}"
         )
+
+
+# Megatron's --dist-ckpt-strictness: (raise on missing, raise on unexpected, log them).
+# return_* hand the keys to a caller in Megatron; the app has none, so they log.
+STRICTNESS = {
+    "assume_ok_unexpected": (True, False, False),
+    "log_unexpected": (True, False, True),
+    "log_all": (False, False, True),
+    "raise_unexpected": (True, True, False),
+    "raise_all": (True, True, False),
+    "return_unexpected": (True, False, True),
+    "return_all": (False, False, True),
+    "ignore_all": (False, False, False),
+}
+
+
+def _model_mismatch(
+    chunks: Sequence[Any], grid: ProcessGrid, saved: set[str], path: str, strictness: str
+) -> frozenset[str]:
+    """Check the model keys per `strictness`; the keys to skip (missing, not raised)."""
+    raise_missing, raise_unexpected, log = STRICTNESS[strictness]
+    wanted = model_keys(chunks, grid)
+    missing = sorted(wanted - saved)
+    if raise_unexpected or log:  # unexpected: saved model keys no rank loads
+        every: list[set[str] | None] = [None] * dist.get_world_size(grid.host_group)
+        dist.all_gather_object(every, wanted, group=grid.host_group)
+        loaded = set().union(*(s for s in every if s is not None))
+        unexpected = sorted(k for k in saved if k.startswith(MODEL_PREFIX) and k not in loaded)
+        if unexpected and raise_unexpected:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {path} holds {len(unexpected)} tensors this model does not have, "
+                f"e.g. {unexpected[:3]}; fix: load the same model, or pass "
+                "--dist-ckpt-strictness log_unexpected to load anyway"
+            )
+        if unexpected and log and dist.get_rank() == 0:
+            logger.warning("checkpoint %s: unexpected tensors not loaded: %s", path, unexpected)
+    if missing and raise_missing:
+        _check_present(wanted, saved, path, "fix: save and load the same model")
+    if missing and log:
+        logger.warning(
+            "checkpoint %s: missing tensors keep their initial values: %s", path, missing
+        )
+    return frozenset(missing)
 
 
 def _rng_matches(common: dict[str, Any], grid: ProcessGrid, config: Any) -> bool:
@@ -94,22 +138,36 @@ def load_checkpoint(
     load_rng: bool = True,
     finetune: bool = False,
     iteration: int | None = None,
+    strictness: str = "assume_ok_unexpected",
+    auto_detect_format: bool = False,
 ) -> LoadedCheckpoint | None:
     """Collective over the world: load the latest (or `iteration`'s) checkpoint.
 
     Returns None when `load_dir` holds no checkpoint. Raises `IncompatibleCheckpointError`
     when the saved model config differs from `config` (the message names the field).
+    `strictness`: Megatron's --dist-ckpt-strictness for model tensors the checkpoint and the
+    model do not share (see STRICTNESS; missing ones raise by default).
+    `auto_detect_format` (--auto-detect-ckpt-format): read the folder's format first, and
+    refuse one this code cannot read by its name (Megatron-LM's legacy or own formats).
     """
     path = _resolve(load_dir, iteration)
     if path is None:
         return None
+    if auto_detect_format:
+        found = layout.detect_format(path)
+        if found != "torch_dist":
+            raise IncompatibleCheckpointError(
+                f"--load {path}: --auto-detect-ckpt-format found a {found!r} checkpoint; this "
+                "release reads only its own torch_dist folders (DCP files + common.json); "
+                "fix: convert the weights to Hugging Face and import them with pentatron-convert, or start fresh"
+            )
     common = read_common(path)
     check_model(common["model"], model_fields(config, model_chunks[0]), path)
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     for chunk in model_chunks:
         chunk.finish_param_sync()
-    sd = model_load_entries(model_chunks, grid)
-    _check_present(sd, saved, path, "fix: save and load the same model")
+    skip = _model_mismatch(model_chunks, grid, set(saved), path, strictness)
+    sd = model_load_entries(model_chunks, grid, skip)
     opt_load: OptimizerLoad | FSDP2OptimizerLoad | None = None
     fsdp2 = isinstance(optimizer, FSDP2Optimizer)
     if optimizer is not None and load_optim and not finetune:

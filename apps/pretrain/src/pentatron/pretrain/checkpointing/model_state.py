@@ -82,14 +82,26 @@ def model_save_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, An
     return sd
 
 
+def model_keys(chunks: Sequence[Any], grid: ProcessGrid) -> set[str]:
+    """The `model/<key>` names this rank's params and buffers load from."""
+    return {PREFIX + r.key for _, rects in _all_rects(chunks, grid) for r in rects}
+
+
 @torch.no_grad()
-def model_load_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, Any]:
+def model_load_entries(
+    chunks: Sequence[Any], grid: ProcessGrid, skip: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """`{model/<key>: GlobalChunks}` of views into this rank's params (filled by DCP).
 
     Zeroes the params first, so rows no rectangle covers (vocabulary padding) end as zeros.
+    A tensor whose keys are all in `skip` (missing from a checkpoint loaded leniently,
+    --dist-ckpt-strictness) keeps its values.
     """
     sd: dict[str, Any] = {}
     for p, rects in _all_rects(chunks, grid):
+        rects = [r for r in rects if PREFIX + r.key not in skip]
+        if not rects:
+            continue
         local = local_tensor(p.data)  # a view: DCP's writes reach the DTensor's shard
         local.zero_()
         for rect in rects:

@@ -82,12 +82,12 @@ def split_indices(fractions: list[float], num_elements: int) -> list[int]:
     return bounds
 
 
-def _open(prefix: str) -> IndexedDataset:
+def _open(prefix: str, mmap: bool) -> IndexedDataset:
     if not IndexedDataset.exists(prefix):
         raise FileNotFoundError(
             f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx (pass the prefix, without extension)"
         )
-    return IndexedDataset(prefix)
+    return IndexedDataset(prefix, mmap=mmap)
 
 
 def build_train_valid_test_datasets(
@@ -110,7 +110,7 @@ def build_train_valid_test_datasets(
             for f, n, name in zip(fractions, train_valid_test_num_samples, SPLITS)
         ]
     paths, weights = parse_data_path(data_path)
-    opened = [_open(p) for p in paths]
+    opened = [_open(p, config.mmap_bin_files) for p in paths]
     per_dataset_bounds = [split_indices(fractions, len(ds)) for ds in opened]
     result: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLITS):

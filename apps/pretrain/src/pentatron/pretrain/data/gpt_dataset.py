@@ -65,6 +65,7 @@ class GPTDatasetConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     create_attention_mask: bool = False
+    mmap_bin_files: bool = True  # False: each .bin is read into memory (--no-mmap-bin-files)
     add_extra_token_to_sequence: bool = True
     drop_last_partial_validation_sequence: bool = True
 

@@ -187,11 +187,11 @@ def _routed_rows(plan: MemoryPlan, tokens: int) -> tuple[int, int]:
 def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int]:
     """(expert MLP bytes, router + dispatcher bytes, norm-output correction) of one MoE
     layer over T = s'b local tokens, N permuted rows, M expert rows (`_routed_rows`):
-    - router: top-k indices `8 Tk`, softmax of the top-k `4 Tk`; in 16-bit the fp32 casts
-      of its input `4 Th` and weight `4 Eh`, and then the norm's 16-bit output is kept only
-      by a shared expert (correction `-e Th` without one);
+    - router: top-k indices `8 Tk`, softmax of the top-k `4 Tk` (its gating GEMM, in the
+      router dtype as Megatron, keeps only the norm output already counted);
     - dispatcher: permute's indices `8 N`; unpermute's per-row weights `4 N`, its input and
-      the weighted rows `2 e N h`, and the (local-expert slice of the) probs `4 E'R` and
+      the weighted rows `2 e N h`, and the (local-expert slice of the) probs `p E'R` (p: the
+      bytes of --moe-router-dtype, else of the params) and
       routing map `E'R` with R rows routed (alltoall: T, E' = E; allgather: etp*ep*T,
       E' = E/ep);
     - experts: their input `e M h`, fc1 output `e M F1/etp`, activation `e M F/etp`
@@ -211,14 +211,14 @@ def _moe_terms(plan: MemoryPlan, s_: int, b: int, e: int) -> tuple[int, int, int
         mlp += e * s_full * b * (shared // plan.tp) * (glu + _act_copies(c))
         if c.moe_shared_expert_gate:  # out * sigmoid(x g): the product keeps out and the gate
             mlp += e * t * h + e * t
-    router = 12 * t * k + (4 * t * h + 4 * n_exp * h if e != 4 else 0)
+    router = 12 * t * k
+    p = {"fp32": 4, "fp64": 8}.get(c.moe_router_dtype or "", e)
     if c.moe_token_dispatcher_type == "allgather":
         r, n_local = plan.etp * plan.ep * t, n_exp // plan.ep
     else:
         r, n_local = t, n_exp
-    dispatch = 12 * rows + 2 * e * rows * h + 5 * n_local * r
-    correction = -e * t * h if (e != 4 and not shared) else 0
-    return mlp, router + dispatch, correction
+    dispatch = 12 * rows + 2 * e * rows * h + (p + 1) * n_local * r
+    return mlp, router + dispatch, 0
 
 
 def _pos_batch(plan: MemoryPlan, first: bool) -> int:

@@ -27,7 +27,7 @@ from .plan import MemoryPlanError
 _LLAMA = {
     "normalization": "RMSNorm",
     "swiglu": True,
-    "disable_bias_linear": True,
+    "add_bias_linear": False,
     "group_query_attention": True,
     "num_query_groups": 8,
     "position_embedding_type": "rope",
@@ -49,7 +49,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "normalization": "LayerNorm",
             "position_embedding_type": "learned_absolute",
             "swiglu": False,
-            "disable_bias_linear": False,
+            "add_bias_linear": True,
         },
         {},
     ),
@@ -205,7 +205,7 @@ def _hf_biases(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any
     """Qwen2 (and Qwen2-MoE) always have q, k, v biases and no others; Llama-style configs
     put `attention_bias` on q, k, v and o, and `mlp_bias` on the MLP."""
     if model_type in ("qwen2", "qwen2_moe"):
-        return {"disable_bias_linear": True, "add_qkv_bias": True}
+        return {"add_bias_linear": False, "add_qkv_bias": True}
     attn, mlp = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
     if attn != mlp:
         raise _fail(
@@ -216,7 +216,7 @@ def _hf_biases(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any
             "none (Megatron's add_bias_linear)",
             "use attention_bias == mlp_bias, or pass the model as flags",
         )
-    return {"disable_bias_linear": not attn, "add_qkv_bias": False}
+    return {"add_bias_linear": attn, "add_qkv_bias": False}
 
 
 def _hf_moe(cfg: dict[str, Any]) -> dict[str, Any]:

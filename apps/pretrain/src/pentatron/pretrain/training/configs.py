@@ -41,11 +41,12 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         activation="swiglu" if args.swiglu else "gelu",
         bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
-        add_bias_linear=not args.disable_bias_linear,
+        add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
@@ -54,6 +55,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        attention_backend=args.attention_backend,
         params_dtype=params_dtype(args),
         fp8=args.fp8_format,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -96,6 +100,8 @@ def moe_fields(args: argparse.Namespace) -> dict:
         "moe_grouped_gemm",
         "moe_shared_expert_intermediate_size",
         "moe_shared_expert_overlap",
+        "moe_router_dtype",
+        "moe_router_force_load_balancing",
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
     )
@@ -104,7 +110,9 @@ def moe_fields(args: argparse.Namespace) -> dict:
 
 def ddp_config(args: argparse.Namespace) -> DDPConfig:
     return DDPConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
+        # Megatron: bf16 / fp16 grads accumulate and reduce in fp32, unless --grad-reduce-in-bf16
+        grad_reduce_in_fp32=(args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16)
+        and not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -135,27 +143,36 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
 
 
+def scheduler_increment(args: argparse.Namespace, global_batch: int) -> int:
+    """What one iteration advances the schedule by: its samples with --train-samples (the
+    batch ramp-up included), else 1 (Megatron's rule)."""
+    return global_batch if args.train_samples is not None else 1
+
+
 def scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
-    """Megatron counts scheduler steps in samples when training by samples, else iterations;
-    here always iterations (batch ramp-up changes samples per step, not the schedule)."""
+    """Megatron's schedule: its steps are samples when training by --train-samples (warm-up
+    --lr-warmup-samples, decay --lr-decay-samples), else iterations."""
+    by_samples = args.train_samples is not None
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
+        lr_warmup_steps=args.lr_warmup_samples if by_samples else args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_samples if by_samples else args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters,
+        wd_incr_steps=args.train_samples if by_samples else args.train_iters,
         wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=args.lr_wsd_decay_iters,
+        wsd_decay_steps=args.lr_wsd_decay_samples if by_samples else args.lr_wsd_decay_iters,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
 

@@ -8,11 +8,13 @@ step (the last checkpoint stays intact) or, with --on-nan-loss skip, skips that 
 every rank. With --async-save a background write is published at the first iteration end
 where every rank has finished it, and at the latest before `train` returns (or raises
 NonFiniteLossError: the save before the bad step is good). Nothing started by the loop is
-still running when `train` returns.
+still running when `train` returns. Around each iteration `IterationHooks` applies the
+logging, profiling and gc flags (training/hooks.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,10 @@ from typing import Any
 
 from pentatron.parallel_state import ProcessGrid
 
+from . import configs
+from .hooks import IterationHooks
 from .microbatches import global_batch_size, num_microbatches
+from .params_norm import params_norm
 from .step import agree_flags, evaluate, train_step
 
 
@@ -76,6 +81,7 @@ class Trainer:
     save: Any  # save(state) -> None, or None without --save
     async_saver: Any = None  # checkpointing.AsyncSaver with --async-save
     cuda_graphs: Any = None  # models.LayerCudaGraphs with --enable-cuda-graph
+    hooks: Any = field(default=None, init=False)  # IterationHooks while `train` runs
 
     def _should_exit(self, state: TrainState, started: float, catcher: SignalCatcher) -> str:
         args = self.args
@@ -108,14 +114,15 @@ class Trainer:
             self.chunks,
             self.train_iters,
             self.forward_step,
-            self.optimizer,
+            self.hooks.optimizer(self.optimizer) if self.hooks else self.optimizer,
             self.pcfg,
             self.grid,
             m,
         )
         elapsed = time.perf_counter() - t0
         state.iteration += 1
-        state.consumed_samples += global_batch_size(args, state.consumed_samples)
+        global_batch = global_batch_size(args, state.consumed_samples)
+        state.consumed_samples += global_batch
         if not out.finite and args.on_nan_loss == "stop":
             raise NonFiniteLossError(
                 f"iteration {state.iteration}: the loss (or a grad) is NaN/Inf on some rank; stopped "
@@ -123,7 +130,7 @@ class Trainer:
                 "fix: lower --lr or resume from the last checkpoint, or pass --on-nan-loss skip"
             )
         if out.update_successful:
-            self.scheduler.step(1)
+            self.scheduler.step(configs.scheduler_increment(args, global_batch))
         state.losses.append(out.loss)
         state.grad_norms.append(out.grad_norm)
         self.logger.log_train(
@@ -140,6 +147,11 @@ class Trainer:
                 "consumed_samples": state.consumed_samples,
                 "global_batch_size": global_batch_size(args, state.consumed_samples),
                 "moe_losses": out.moe_losses,
+                "params_norm": (
+                    params_norm(self.optimizer, bool(getattr(args, "num_experts", None)))
+                    if args.log_params_norm
+                    else None
+                ),
             },
         )
 
@@ -149,26 +161,30 @@ class Trainer:
             return
         if state.iteration % args.eval_interval and state.iteration != args.train_iters:
             return
-        loss = evaluate(
-            args,
-            self.chunks,
-            self.valid_iters,
-            self.forward_step,
-            self.pcfg,
-            self.grid,
-            args.eval_iters,
-            num_microbatches(args, state.consumed_samples),
-        )
+        with self.hooks.evaluation() if self.hooks else contextlib.nullcontext():
+            loss = evaluate(
+                args,
+                self.chunks,
+                self.valid_iters,
+                self.forward_step,
+                self.pcfg,
+                self.grid,
+                args.eval_iters,
+                num_microbatches(args, state.consumed_samples),
+            )
         if loss is not None:
             self.logger.log_eval(state.iteration, {"lm loss": loss})
 
     def train(self, state: TrainState) -> TrainState:
         args, started = self.args, time.time()
         catcher = signal_catcher(args)
+        self.hooks = IterationHooks(args, self.grid)
         saved_at = state.iteration
         try:
             while state.iteration < args.train_iters:
+                self.hooks.before_step(state.iteration + 1)
                 self._one_iteration(state)
+                self.hooks.after_step(state.iteration)
                 self._maybe_evaluate(state)
                 if self.save and args.save_interval and state.iteration % args.save_interval == 0:
                     self.save(state)
@@ -185,6 +201,8 @@ class Trainer:
             raise
         finally:
             catcher.restore()
+            self.hooks.close()
+            self.hooks = None
         self._finish_async_work()
         return state
 

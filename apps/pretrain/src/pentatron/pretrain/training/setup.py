@@ -33,7 +33,7 @@ def initialize(args: argparse.Namespace) -> ProcessGrid:
     """The process grid from torchrun's environment, then Megatron's seeding."""
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device)  # auto: CUDA when present
     grid = initialize_model_parallel(configs.parallel_config(args), backend=backend)
-    set_matmul_precision(grid)
+    set_matmul_precision(grid, args.disable_bf16_reduced_precision_matmul)
     seed = args.seed + 100 * grid.rank("pp")
     random.seed(seed)
     np.random.seed(seed)
@@ -42,15 +42,21 @@ def initialize(args: argparse.Namespace) -> ProcessGrid:
     return grid
 
 
-def set_matmul_precision(grid: ProcessGrid) -> None:
+def set_matmul_precision(grid: ProcessGrid, no_bf16_reduced_reduction: bool = False) -> None:
     """The TF32 policy, set explicitly: fp32 GEMMs stay full fp32 (TF32 off), cuDNN may use
     TF32. These are torch's defaults, which Megatron-LM keeps (it sets neither and has no
     flag; NVIDIA's containers export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which makes cuBLAS
     use TF32 whatever is set here). bf16/fp16 training runs its GEMMs, weight gradients
     included, in bf16/fp16 on tensor cores, so the policy only touches fp32 models and
-    the few fp32 GEMMs of a mixed-precision one. Said once at start-up on CUDA."""
+    the few fp32 GEMMs of a mixed-precision one. Said once at start-up on CUDA.
+
+    `no_bf16_reduced_reduction` (--disable-bf16-reduced-precision-matmul): cuBLAS bf16 GEMMs
+    may not reduce in reduced precision (torch's default allows it)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (
+        not no_bf16_reduced_reduction
+    )
     if grid.device.type == "cuda" and grid.global_rank == 0:
         override = os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1"
         print(
@@ -94,12 +100,18 @@ def get_model(
     return [DistributedDataParallel(ddp, m, grid=grid) for m in chunks]
 
 
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def fsdp2_chunk(model: torch.nn.Module, args, grid: ProcessGrid) -> FSDP2DataParallel:
     """Shard a chunk over dp x cp with FSDP2, one unit per transformer layer.
 
     The shards are the fp32 main params: with --bf16 the (bf16-initialised) params are
     widened before sharding and FSDP2 all-gathers them in bf16 for compute, reducing grads
-    in fp32; the numerics of our mixed-precision optimizer over bf16 params.
+    in fp32; the numerics of our mixed-precision optimizer over bf16 params. With
+    --use-megatron-fsdp, --data-parallel-sharding-strategy optim_grads keeps the params
+    gathered from forward to backward, and --megatron-fsdp-grad-comm-dtype picks the
+    reduce dtype.
     """
     layers = model.get_submodule("decoder.layers")  # one FSDP unit per transformer layer
     if not isinstance(layers, torch.nn.ModuleList):
@@ -115,7 +127,8 @@ def fsdp2_chunk(model: torch.nn.Module, args, grid: ProcessGrid) -> FSDP2DataPar
         model,
         grid.group("dp-cp"),
         param_dtype=None if compute == torch.float32 else compute,
-        reduce_dtype=torch.float32,
+        reduce_dtype=_REDUCE_DTYPES[args.fsdp_reduce_dtype or "fp32"],
+        reshard_after_forward=args.fsdp_reshard_after_forward,
         blocks=list(layers),
         # every rank initialised the same weights (layout-independent init)
         broadcast_params=False,
