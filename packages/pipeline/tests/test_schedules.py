@@ -321,7 +321,21 @@ def check_hooks(case: dict, results: list[dict]) -> None:
 
 def check_sync_hooks(case: dict, results: list[dict]) -> None:
     """Interleaved: each chunk's grad sync once after its last backward, param sync once
-    before its first forward."""
+    before its first forward. 1F1B (as Megatron's): the first stage reduces through its
+    enabled grad hooks during the last backward; every other stage calls grad_sync_func
+    (given as a list of one, as the app does) once after its last backward; no param sync
+    (the param gather runs in the forward pre-hooks)."""
+    if case.get("vpp") is None:
+        for r in results:
+            log = r["log"]
+            syncs = [i for i, e in enumerate(log) if e == ("sync", 0)]
+            backs = [i for i, e in enumerate(log) if e[0] == "B"]
+            assert not [e for e in log if e[0] == "psync"], (r["rank"], log)
+            if r["rank"] == 0:
+                assert syncs == [], log
+            else:
+                assert len(syncs) == 1 and syncs[0] > backs[-1], (r["rank"], log)
+        return
     for r in results:
         log = r["log"]
         for c in range(case["vpp"]):
@@ -347,6 +361,7 @@ def _cases(p: int) -> list[dict]:
         dict(m=2 * p, variable=True, batch=False),
         dict(m=1),
         dict(m=2 * p, hooks="plain", batch=False),
+        dict(m=2 * p, hooks="sync"),  # grad_sync_func as a one-chunk list
     ]
     for m in (p, 2 * p, 3 * p):
         cases.append(dict(m=m, vpp=2, batch=m != 2 * p))

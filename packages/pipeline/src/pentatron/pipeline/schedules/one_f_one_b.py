@@ -29,6 +29,7 @@ from .common import (
     deallocate_output_tensor,
     finalize,
     forward_step,
+    per_chunk,
     resolve_config,
 )
 
@@ -133,8 +134,14 @@ class _OneFOneB:
     def launch_remaining_grad_sync(self) -> None:
         if self.sync._context is not None:
             self.sync.enable()
-            if self.config.grad_sync_func is not None:
-                self.config.grad_sync_func(self.model.parameters())
+            sync = per_chunk(self.config.grad_sync_func, 1)
+            if sync is not None:
+                if len(sync) != 1:
+                    raise ValueError(
+                        f"grad_sync_func: {len(sync)} callables for the 1 model chunk of the "
+                        "non-interleaved schedule; fix: pass one callable (or a list of one)"
+                    )
+                sync[0](self.model.parameters())
 
 
 @caches_weights_per_call
