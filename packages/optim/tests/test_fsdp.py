@@ -379,3 +379,36 @@ def test_fsdp2_optimizer_refuses_fp16_and_distributed_optimizer():
     ]:
         with pytest.raises(OptimConfigError, match=field):
             FSDP2Optimizer(config, [], [], stats_groups=object())
+
+
+def run_forward_only_then_reshard():
+    from pentatron.optim.distributed.fsdp import local_tensor
+
+    grid = initialize_model_parallel(ParallelConfig())
+    model = apply_fsdp2(make_model(), grid.group("dp-cp"))
+    d, r = grid.size("dp"), grid.rank("dp")
+    full = {n: p.shape[0] for n, p in model.named_parameters()}
+    # torch.chunk's cut: ceil(n/d) rows a rank, the last ones fewer
+    shard_rows = {n: min(k, (r + 1) * -(-k // d)) - min(k, r * -(-k // d)) for n, k in full.items()}
+
+    def local_rows():
+        return {n: local_tensor(p).shape[0] for n, p in model.named_parameters()}
+
+    with torch.no_grad():
+        model(batch(0)[0])  # forward only: nothing reshards the root after it
+    after_forward = local_rows()
+    model.reshard()
+    # the root's params are back to this rank's rows, which held_rows (checkpointing) needs
+    held = [hi - lo for lo, hi in (model.held_rows(p) for p in model.parameters())]
+    return after_forward, local_rows(), shard_rows, full, held
+
+
+def test_reshard_frees_what_a_forward_only_pass_gathered(distributed):
+    """An evaluation (forward only) leaves the root's params unsharded; `reshard()` returns
+    every param to its `ceil(n/d)`-row shard."""
+    for after_forward, after, shard_rows, full, held in distributed.run(
+        2, run_forward_only_then_reshard
+    ):
+        # the bug the app's evaluation ran into: the root's params (inp, out) stay whole
+        assert after_forward["module.inp.weight"] == full["module.inp.weight"]
+        assert after == shard_rows and held == list(shard_rows.values())

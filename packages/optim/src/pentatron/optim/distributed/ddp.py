@@ -213,6 +213,9 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.all_buffers:
             buffer.finish_param_sync()
 
+    def reshard(self) -> None:
+        """No-op: DDP params are whole on every rank (FSDP2's frees gathered params)."""
+
     def broadcast_params(self) -> None:
         """Make every dp replica start from the params of its group's first rank."""
         for buffer in self.all_buffers:

@@ -105,6 +105,15 @@ class FSDP2DataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
+    def reshard(self) -> None:
+        """Free the params a forward-only pass left gathered: without a backward, FSDP2
+        keeps the root's (and, without reshard_after_forward, every block's) unsharded
+        `[n, ...]` until the next forward, so a checkpoint saved after an evaluation would
+        see whole params instead of this rank's `[ceil(n/d), ...]` shard."""
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def held_rows(self, param: torch.Tensor) -> tuple[int, int]:
         """Rows `[lo, hi)` of dim 0 of `param` (one of this module's `Shard(0)` params) that
         this rank holds: torch.chunk's cut over dp, `ceil(n/d)` rows a rank, the last ones
