@@ -10,6 +10,7 @@ from pentatron.optim import (
     OptimConfigError,
     OptimizerConfig,
     OptimizerParamScheduler,
+    SchedulerMismatchError,
 )
 
 # --- loss scaler ---------------------------------------------------------------------
@@ -145,8 +146,12 @@ def test_scheduler_state_round_trip_and_override_rules():
     b.load_state_dict(a.state_dict())
     assert b.num_steps == 17 and b.optimizer.param_groups == a.optimizer.param_groups
     c = _sched(_Opt(), max_lr=2.0, use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ValueError, match=r"max_lr.*use_checkpoint_opt_param_scheduler"):
+    with pytest.raises(SchedulerMismatchError, match=r"max_lr.*use_checkpoint_opt_param_sch"):
         c.load_state_dict(a.state_dict())
+    try:
+        c.load_state_dict(a.state_dict())
+    except SchedulerMismatchError as e:  # the values, for an app to name its own flags
+        assert (e.field, e.mine, e.saved) == ("max_lr", 2.0, a.max_lr)
     d = _sched(
         _Opt(),
         max_lr=2.0,

@@ -32,7 +32,7 @@ from .optimizer.fsdp_optimizer import FSDP2Optimizer
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer.mixed_precision import GradStatsGroups, MixedPrecisionOptimizer, StepResult
 from .optimizer.param_groups import default_no_weight_decay, get_param_groups
-from .scheduler import OptimizerParamScheduler
+from .scheduler import OptimizerParamScheduler, SchedulerMismatchError
 
 __version__ = "0.1.4"
 
@@ -57,6 +57,7 @@ __all__ = [
     "OptimConfigError",
     "OptimizerConfig",
     "OptimizerParamScheduler",
+    "SchedulerMismatchError",
     "ParamAndGradBuffer",
     "StepResult",
     "allreduce_grads",

@@ -35,6 +35,20 @@ _CHECKPOINT_FIELDS = (
 )
 
 
+class SchedulerMismatchError(ValueError):
+    """A checkpoint's schedule `field` differs from this run's, and neither
+    `use_checkpoint_opt_param_scheduler` nor `override_opt_param_scheduler` says which wins
+    (Megatron's rule). `mine` / `saved` are the two values, for an app to name its flags."""
+
+    def __init__(self, field: str, mine: Any, saved: Any) -> None:
+        self.field, self.mine, self.saved = field, mine, saved
+        super().__init__(
+            f"scheduler field {field}: this run has {mine!r}, the checkpoint {saved!r}; fix: "
+            "pass use_checkpoint_opt_param_scheduler=True to take the checkpoint's, or "
+            "override_opt_param_scheduler=True to keep this run's"
+        )
+
+
 class OptimizerParamScheduler:
     def __init__(
         self,
@@ -201,11 +215,7 @@ class OptimizerParamScheduler:
         if self.override:
             return mine
         if not self.use_checkpoint and mine != saved:
-            raise ValueError(
-                f"scheduler field {name}: this run has {mine!r}, the checkpoint {saved!r}; fix: "
-                "pass use_checkpoint_opt_param_scheduler=True to take the checkpoint's, or "
-                "override_opt_param_scheduler=True to keep this run's"
-            )
+            raise SchedulerMismatchError(name, mine, saved)
         return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
