@@ -47,7 +47,7 @@ def model_flags(s: AppShape) -> list[str]:
         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--seq-length", str(s.seq), "--max-position-embeddings", str(s.seq),
-        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
     ]  # fmt: skip
 
 

@@ -20,6 +20,10 @@ BASE = [
     "32",
     "--micro-batch-size",
     "2",
+    "--max-position-embeddings",
+    "32",
+    "--lr",
+    "1e-3",
 ]
 
 

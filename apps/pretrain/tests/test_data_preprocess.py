@@ -148,3 +148,50 @@ def test_missing_input_and_tokenizer_errors(tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert "needs --tokenizer-model" in capsys.readouterr().err
+
+
+def _words_jsonl(path):
+    from _tokenizer_files import LINES
+
+    with open(path, "w", encoding="utf-8") as f:
+        for line in LINES[:40]:
+            f.write(json.dumps({"text": line}) + "\n")
+    return LINES[:40]
+
+
+@pytest.mark.parametrize("kind", ["Llama2Tokenizer", "GPT2BPETokenizer", "hf-no-specials"])
+def test_megatron_tokenizer_types_and_flags(tmp_path, kind):
+    """The tokenizer flags are the trainer's (Megatron's preprocess_data.py shares them): each
+    type on a model file made here, the ids those of `build_tokenizer` with the same flags."""
+    import os
+    import sys
+
+    pytest.importorskip("sentencepiece")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _tokenizer_files import gpt2_files, hf_word_level, train_sp
+
+    from pentatron.pretrain.tokenizer import build_tokenizer
+
+    lines = _words_jsonl(tmp_path / "in.jsonl")
+    if kind == "Llama2Tokenizer":
+        model = train_sp(tmp_path / "sp")
+        flags = ["--tokenizer-type", kind, "--tokenizer-model", model]
+        tok = build_tokenizer(kind, model)
+    elif kind == "GPT2BPETokenizer":
+        vocab, merges, _ = gpt2_files(tmp_path, with_eod=True)
+        flags = ["--tokenizer-type", kind, "--vocab-file", vocab, "--merge-file", merges]
+        tok = build_tokenizer(kind, vocab_file=vocab, merge_file=merges)
+    else:
+        folder = str(hf_word_level(tmp_path / "hf"))
+        flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder]
+        flags.append("--tokenizer-hf-no-include-special-tokens")
+        tok = build_tokenizer(
+            "HuggingFaceTokenizer", folder, tokenizer_hf_no_include_special_tokens=True
+        )
+        with_bos = build_tokenizer("HuggingFaceTokenizer", folder)
+        assert with_bos.tokenize(lines[0])[1:] == tok.tokenize(lines[0])  # the flag matters
+    out = tmp_path / "out"
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(out), "--quiet"]
+    assert main([*argv, "--append-eod", *flags]) == 0
+    ds = IndexedDataset(tmp_path / "out_text_document")
+    assert [ds[i].tolist() for i in range(len(lines))] == [_expected(tok, t) for t in lines]

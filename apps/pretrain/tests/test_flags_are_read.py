@@ -147,7 +147,9 @@ def test_the_walk_sees_the_moe_table_and_misses_a_planted_flag():
 # ----------------------------------------------------------------------------------------
 # Flags that were accepted but not read.
 
-BASE = ["--train-iters", "4", "--mock-data"]
+MODEL = ["--lr", "3e-4", "--micro-batch-size", "2", "--num-layers", "4", "--hidden-size", "128"]
+MODEL += ["--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128"]
+BASE = ["--train-iters", "4", "--mock-data", *MODEL]
 
 
 def _args(*flags: str, world: int = 1):
@@ -307,6 +309,7 @@ def test_data_cache_path_holds_the_dataset_index_cache(tmp_path):
     args = validate_args(
         parse_args(
             [
+                *MODEL,
                 *("--train-iters", "2", "--data-path", str(prefix), "--seq-length", "16"),
                 *("--tokenizer-type", "NullTokenizer", "--vocab-size", "256"),
                 *("--eval-iters", "0", "--data-cache-path", str(cache)),

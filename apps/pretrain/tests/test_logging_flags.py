@@ -497,9 +497,8 @@ def test_wandb_offline_run_is_written_locally(monkeypatch, tmp_path):
 
 def test_defaults_are_megatrons():
     args = parse_args([])
-    # --log-interval stays 10 until the app's defaults move to Megatron's as one change
     assert (args.log_interval, args.tensorboard_log_interval, args.tensorboard_queue_size) == (
-        10,
+        100,
         1,
         1000,
     )

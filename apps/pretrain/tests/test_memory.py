@@ -10,6 +10,14 @@ from pentatron.pretrain.memory import korthikanti_per_layer, memory_report
 from pentatron.pretrain.memory.activations import chunk_activations
 from pentatron.pretrain.memory.cli import build_plan, main
 
+# A small Llama-style model (RoPE, RMSNorm, no dropout) where a test needs only the shape;
+# tests then override what they measure.
+SMALL = [
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "128", "--micro-batch-size", "2", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--hidden-dropout", "0", "--attention-dropout", "0",
+]  # fmt: skip
+
 GPT3 = [
     "--preset",
     "gpt3-175b",
@@ -75,6 +83,7 @@ def test_korthikanti_textbook_forms():
 
 def test_interleaving_holds_more_microbatches():
     flags = [
+        *SMALL,
         "--num-layers",
         "8",
         "--pipeline-model-parallel-size",
@@ -181,7 +190,7 @@ TERMS = (
 
 @pytest.mark.parametrize("gib", [1, 0.75])
 def test_headroom_is_device_gib_minus_total(gib, capsys):
-    argv = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--world-size", "2"]
+    argv = [*SMALL, "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--world-size", "2"]
     argv += ["--global-batch-size", "8", "--device-memory-gb", str(gib), "--json"]
     assert main(argv) == 0
     stages = json.loads(capsys.readouterr().out)
@@ -201,6 +210,7 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
         (["--world-size", "6", "--tensor-model-parallel-size", "4"], "divisible by tp*cp*pp"),
         (
             [
+                *SMALL,
                 "--num-attention-heads",
                 "6",
                 "--hidden-size",
@@ -213,7 +223,15 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
             "--num-attention-heads=6",
         ),
         (
-            ["--num-layers", "5", "--pipeline-model-parallel-size", "2", "--world-size", "2"],
+            [
+                *SMALL,
+                "--num-layers",
+                "5",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--world-size",
+                "2",
+            ],
             "--num-layers=5",
         ),
         (["--world-size", "0"], "--world-size=0"),
@@ -497,7 +515,7 @@ def test_fp8_weight_cache_is_one_copy_per_te_weight(extra, fc1, fc2, capsys):
     """TE, given is_first_microbatch by the schedule, caches one FP8 copy and its transpose
     of each TE linear's weight: 2 bytes per element, whatever the micro-batches in flight."""
     h, f, t = 256, 512, 2
-    argv = ["--num-layers", "4", "--hidden-size", str(h), "--num-attention-heads", "8"]
+    argv = [*SMALL, "--num-layers", "4", "--hidden-size", str(h), "--num-attention-heads", "8"]
     argv += ["--ffn-hidden-size", str(f), "--tensor-model-parallel-size", str(t)]
     argv += ["--pipeline-model-parallel-size", "2", "--world-size", "4", "--bf16"]
     argv += ["--global-batch-size", "8", "--fp8-format", "hybrid", "--sequence-parallel"]
@@ -521,6 +539,7 @@ def test_fp32_gqa_on_cuda_keeps_the_repeated_kv():
     (any dtype) and bf16 on CUDA keep the grouped ones. --device auto sizes a CUDA run."""
     s, b, nq, ng, d = 64, 2, 16, 2, 8
     argv = [
+        *SMALL,
         "--num-layers", "1", "--hidden-size", str(nq * d), "--num-attention-heads", str(nq),
         "--group-query-attention", "--num-query-groups", str(ng), "--seq-length", str(s),
         "--micro-batch-size", str(b), "--world-size", "1",

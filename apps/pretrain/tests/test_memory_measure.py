@@ -38,6 +38,14 @@ TINY = [
     "0",
     "--attention-dropout",
     "0",
+    "--max-position-embeddings",
+    "32",
+    "--lr",
+    "1e-3",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
 ]
 # GPT-3's kind of layer: LayerNorm, GeLU, biases, learned positions (TINY without --swiglu
 # and --disable-bias-linear, which are store_true flags that cannot be turned off)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -232,3 +233,52 @@ def test_nan_loss_skip_goes_on(distributed, tmp_path_factory):
         assert r["unchanged"][3] == nothing_changed, f"rank {rank}: the skipped step changed it"
         for it in (2, 4):  # the record does see an applied step
             assert r["unchanged"][it] == everything_changed, f"rank {rank}, iteration {it}"
+
+
+def _resume_with_another_lr(root: str) -> dict:
+    """Save at 2 iterations with --lr 1e-3; resume to 3 with --lr 2e-3: refused naming the
+    flags; then each of Megatron's two flags decides which lr the schedule keeps."""
+    from pentatron.parallel_state import destroy_model_parallel
+    from pentatron.pretrain.arguments import parse_args, validate_args
+    from pentatron.pretrain.checkpointing import IncompatibleCheckpointError
+    from pentatron.pretrain.pretrain_gpt import pretrain
+
+    ckpt = os.path.join(root, "ckpt")
+    constant = ["--lr-decay-style", "constant", "--lr-warmup-iters", "0"]
+    train([*BASE, *constant, "--train-iters", "2", "--save", ckpt])
+    resume = [*BASE, *constant, "--train-iters", "3", "--load", ckpt]
+    resume[resume.index("--lr") + 1] = "2e-3"
+    out: dict = {}
+    try:
+        train(resume)
+    except IncompatibleCheckpointError as e:
+        out["error"] = str(e)
+    finally:
+        destroy_model_parallel()
+    for flag in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        jsonl = os.path.join(root, f"{flag}.jsonl")
+        args = validate_args(parse_args([*resume, flag, "--log-jsonl", jsonl]), 1)
+        try:
+            state = pretrain(args)
+        finally:
+            destroy_model_parallel()
+        with open(jsonl) as f:
+            lr = [json.loads(line)["lr"] for line in f if '"train"' in line][-1]
+        out[flag] = (state.iteration, lr)
+    return out
+
+
+def test_scheduler_mismatch_names_the_flags_and_each_flag_decides(distributed, tmp_path):
+    (out,) = distributed.run(1, _resume_with_another_lr, str(tmp_path))
+    error = out["error"]
+    assert "the lr schedule's max_lr (--lr) is 0.002 in this run and 0.001 in the checkpoint" in (
+        error
+    )
+    assert (
+        "--use-checkpoint-opt_param-scheduler" in error
+        and "--override-opt_param-scheduler" in error
+    )
+    assert "use_checkpoint_opt_param_scheduler=True" not in error  # no Python argument names
+    # iteration 3 ran at this run's lr, or at the checkpoint's
+    assert out["--override-opt_param-scheduler"] == (3, pytest.approx(2e-3, rel=1e-12))
+    assert out["--use-checkpoint-opt_param-scheduler"] == (3, pytest.approx(1e-3, rel=1e-12))

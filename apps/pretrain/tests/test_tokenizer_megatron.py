@@ -4,8 +4,14 @@ Megatron's id rules written out below."""
 
 import base64
 import json
+import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _tokenizer_files import LINES, gpt2_files, hf_word_level, train_sp
 
 from pentatron.pretrain.tokenizer import (
     TOKENIZER_TYPES,
@@ -18,32 +24,18 @@ from pentatron.pretrain.tokenizer import (
 spm = pytest.importorskip("sentencepiece")
 tiktoken = pytest.importorskip("tiktoken")
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"]
-LINES = [" ".join(WORDS[(i * k) % len(WORDS)] for k in range(1, 9)) + f" {i}" for i in range(300)]
 TEXT = "the lazy fox hums over 42 brown dogs"
 
 SP_TYPES = ("GPTSentencePieceTokenizer", "Llama2Tokenizer", "SentencePieceTokenizer")
-
-
-def _train_sp(path, **ids):
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(LINES),
-        model_prefix=str(path),
-        vocab_size=120,
-        model_type="bpe",
-        minloglevel=2,
-        **ids,
-    )
-    return str(path) + ".model"
 
 
 @pytest.fixture(scope="module")
 def sp_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("sp")
     return {
-        "default": _train_sp(d / "default"),  # unk 0, bos 1, eos 2, no pad
-        "custom": _train_sp(d / "custom", unk_id=3, bos_id=0, eos_id=1, pad_id=2),
-        "no_eos": _train_sp(d / "no_eos", eos_id=-1),
+        "default": train_sp(d / "default"),  # unk 0, bos 1, eos 2, no pad
+        "custom": train_sp(d / "custom", unk_id=3, bos_id=0, eos_id=1, pad_id=2),
+        "no_eos": train_sp(d / "no_eos", eos_id=-1),
     }
 
 
@@ -240,35 +232,11 @@ def test_tiktokenizer_errors(tiktoken_vocab, tmp_path):
 # --- GPT2BPETokenizer, HuggingFaceTokenizer ---------------------------------------------------
 
 
-def _gpt2_files(tmp_path, with_eod):
-    """GPT-2's byte -> printable-character table as the first 256 entries, a few merges."""
-    b2u = {}
-    n = 0
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    for b in range(256):
-        if b in printable:
-            b2u[b] = chr(b)
-        else:
-            b2u[b] = chr(256 + n)
-            n += 1
-    vocab = {b2u[b]: i for i, b in enumerate(sorted(b2u, key=lambda b: (b not in printable, b)))}
-    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("in", "g"), ("Ġ", "f")]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    if with_eod:
-        vocab["<|endoftext|>"] = len(vocab)
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
-    )
-    return str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), len(vocab)
-
-
 @pytest.mark.parametrize("with_eod", [True, False])
 def test_gpt2_bpe_matches_hf_gpt2_tokenizer(tmp_path, with_eod):
     """Megatron's GPT2BPETokenizer is HF's GPT2Tokenizer on --vocab-file/--merge-file."""
     transformers = pytest.importorskip("transformers")
-    vocab_file, merge_file, n = _gpt2_files(tmp_path, with_eod)
+    vocab_file, merge_file, n = gpt2_files(tmp_path, with_eod)
     ref = transformers.GPT2Tokenizer(vocab=vocab_file, merges=merge_file)
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
     text = "hello the thing, the fox<|endoftext|> 日本"
@@ -282,7 +250,7 @@ def test_gpt2_bpe_matches_hf_gpt2_tokenizer(tmp_path, with_eod):
 def test_gpt2_bpe_errors(tmp_path):
     with pytest.raises(ValueError, match=r"needs --vocab-file and --merge-file; fix:"):
         build_tokenizer("GPT2BPETokenizer", vocab_file="v.json")
-    vocab_file, _, _ = _gpt2_files(tmp_path, True)
+    vocab_file, _, _ = gpt2_files(tmp_path, True)
     with pytest.raises(FileNotFoundError, match=r"--merge-file=.*: no such file; fix:"):
         build_tokenizer(
             "GPT2BPETokenizer", vocab_file=vocab_file, merge_file=str(tmp_path / "m.txt")
@@ -291,19 +259,7 @@ def test_gpt2_bpe_errors(tmp_path):
 
 @pytest.fixture
 def hf_with_bos(tmp_path):
-    """A word-level tokenizer.json whose post-processor adds <s> (like Llama's)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
-    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
-    )
-    return tmp_path
+    return hf_word_level(tmp_path)
 
 
 def test_hf_include_special_tokens_and_extra_specials(hf_with_bos):

@@ -17,26 +17,27 @@ from typing import Any
 from .arguments_compat import add_compat_args
 from .arguments_logging import add_logging_args
 from .arguments_validate import ArgumentError, validate_args
+from .tokenizer.arguments import add_tokenizer_file_args
 
 __all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args"]
 
 
 def _model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-layers", type=int, default=None, help="required")
+    g.add_argument("--hidden-size", type=int, default=None, help="required")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden")
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-attention-heads", type=int, default=None, help="required")
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=1, help="with --group-query-attention")
     g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--seq-length", type=int, default=None, help="required")
     g.add_argument(
-        "--max-position-embeddings", type=int, default=None, help="default: --seq-length"
+        "--max-position-embeddings", type=int, default=None, help="required, >= --seq-length"
     )
     g.add_argument(
         "--position-embedding-type",
-        default="rope",
+        default="learned_absolute",
         choices=["learned_absolute", "rope", "none"],
     )
     g.add_argument("--rotary-base", type=float, default=10000.0)
@@ -52,7 +53,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="zero-centred norm weights, applied as (1 + weight)",
     )
-    g.add_argument("--normalization", default="RMSNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument(
@@ -65,8 +66,8 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument(
@@ -83,7 +84,7 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument(
         "--transformer-impl",
-        default="local",
+        default="transformer_engine",
         choices=["local", "transformer_engine"],
         help="transformer_engine falls back to local (same numerics) where it is not "
         "installed or there is no GPU, said once at start-up",
@@ -218,11 +219,11 @@ def _moe(p: argparse.ArgumentParser) -> None:
 def _optimizer(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--lr", type=float, default=None, help="required")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument(
         "--lr-decay-style",
-        default="cosine",
+        default="linear",
         choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
     )
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -243,7 +244,7 @@ def _optimizer(p: argparse.ArgumentParser) -> None:
     g.add_argument("--end-weight-decay", type=float, default=None)
     g.add_argument("--weight-decay-incr-style", default="constant")
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0)
@@ -261,7 +262,7 @@ def _optimizer(p: argparse.ArgumentParser) -> None:
 
 def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--micro-batch-size", type=int, default=None, help="required")
     g.add_argument("--global-batch-size", type=int, default=None, help="default: mbs * dp")
     g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None)
     g.add_argument("--train-iters", type=int, default=None)
@@ -275,8 +276,13 @@ def _training(p: argparse.ArgumentParser) -> None:
         "(Megatron's flag and default: off, the signals keep their default action)",
     )
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="evaluate every N iterations (default: only after the last one)",
+    )
+    g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument(
         "--no-check-for-nan-in-loss-and-grad",
         dest="check_for_nan_in_loss_and_grad",
@@ -301,7 +307,7 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dataloader-type", default=None, choices=["single", "cyclic"], help="default: single"
     )
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=2)
     g.add_argument(
         "--no-mmap-bin-files",
         dest="mmap_bin_files",
@@ -309,16 +315,7 @@ def _data(p: argparse.ArgumentParser) -> None:
         help="read the .bin files into memory instead of mapping them",
     )
     g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / mock data")
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"], help="default v2")
-    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    g.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+", default=None)
-    g.add_argument("--null-tokenizer-eod-id", type=int, default=None)
-    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1)
-    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true")
+    add_tokenizer_file_args(g)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")

@@ -18,7 +18,7 @@ from .arguments_validate import ArgumentError
 
 def add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-jsonl", default=None, help="metrics file (default: in --save)")
     g.add_argument("--no-progress", action="store_true", help="plain lines, no live bar")

@@ -28,9 +28,26 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
             _fail(name.replace("_", "-"), value, "must be >= 1", "pass a positive integer")
 
 
+# Flags without a default in Megatron-LM either: its validate_args requires the first four,
+# and the rest have no value a run could assume.
+_REQUIRED = (
+    ("num_layers", "--num-layers 24"),
+    ("hidden_size", "--hidden-size 1024"),
+    ("num_attention_heads", "--num-attention-heads 16"),
+    ("seq_length", "--seq-length 2048"),
+    ("max_position_embeddings", "--max-position-embeddings 2048 (>= --seq-length)"),
+    ("micro_batch_size", "--micro-batch-size 1"),
+    ("lr", "--lr 3e-4"),
+)
+
+
 def _required(args: argparse.Namespace) -> None:
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
+    for name, example in _REQUIRED:
+        if getattr(args, name) is None:
+            flag = name.replace("_", "-")
+            _fail(
+                flag, None, "required (Megatron-LM has no default either)", f"pass e.g. {example}"
+            )
 
 
 def _megatron_forms(args: argparse.Namespace) -> None:
@@ -77,6 +94,14 @@ def _megatron_forms(args: argparse.Namespace) -> None:
             f"flex (--moe-flex-dispatcher-backend {args.moe_flex_dispatcher_backend})",
             "needs the DeepEP / HybridEP GPU kernels, which are not wired",
             "use --moe-token-dispatcher-type alltoall",
+        )
+    if args.moe_router_pre_softmax and args.moe_router_score_function == "sigmoid":
+        # DeepSeek-V3's Megatron script passes both; Megatron's router reads the flag only
+        # in its softmax branch
+        args.moe_router_pre_softmax = False
+        args.startup_notes.append(
+            "--moe-router-pre-softmax: no effect with --moe-router-score-function sigmoid "
+            "(Megatron-LM ignores it there too: sigmoid scores are normalised over the top-k)"
         )
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         _fail("decoupled-min-lr", args.decoupled_min_lr, "needs --decoupled-lr", "add it")
@@ -225,7 +250,8 @@ def _model_shape(args: argparse.Namespace) -> None:
     args.num_query_groups = groups
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = (
-            int(8 * args.hidden_size / 3 / 64 + 0.999) * 64 if args.swiglu else 4 * args.hidden_size
+            # Megatron's rule: 2/3 of 4h rounded down to a multiple of 64
+            int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
         )
     if args.ffn_hidden_size % tp:
         _fail(
@@ -366,18 +392,23 @@ def _training_length(args: argparse.Namespace) -> None:
         )
 
 
-def _precision_and_gpu(args: argparse.Namespace, cuda: bool) -> None:
+def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> None:
     if args.fp16 and args.bf16:
         _fail("fp16", True, "--fp16 and --bf16 are exclusive", "pass one")
-    if args.transformer_impl == "transformer_engine" and not cuda:
+    if args.transformer_impl == "transformer_engine" and not (cuda and have_te):
+        why = "no CUDA device" if not cuda else "transformer-engine is not installed"
         if args.fp8_format:
             _fail(
-                "fp8-format", args.fp8_format, "needs CUDA and transformer-engine", "drop it on CPU"
+                "fp8-format",
+                args.fp8_format,
+                f"needs CUDA and transformer-engine ({why})",
+                "drop it, or install transformer-engine on a CUDA machine",
             )
         args.transformer_impl = "local"
         args.startup_notes.append(
-            "--transformer-impl transformer_engine: no CUDA device, so the local PyTorch "
-            "spec runs (same numerics)"
+            f"--transformer-impl transformer_engine (Megatron's default): {why}, so the "
+            "local PyTorch spec runs (same numerics); pass --transformer-impl local to "
+            "silence this"
         )
     needs_gpu = {
         "enable-cuda-graph": args.enable_cuda_graph,
@@ -514,6 +545,12 @@ def _compile(args: argparse.Namespace) -> None:
 def _data_and_checkpoints(args: argparse.Namespace) -> None:
     args.split = "969,30,1" if args.split is None else args.split  # Megatron's, with data
     args.dataloader_type = args.dataloader_type or "single"
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        # Megatron's GPT-3 example passes only the two GPT-2 BPE files
+        args.tokenizer_type = "GPT2BPETokenizer"
+        args.startup_notes.append(
+            "--tokenizer-type not given: --vocab-file / --merge-file are read as GPT2BPETokenizer"
+        )
     if args.data_path:
         from .data.builder import parse_data_path
 
@@ -573,8 +610,13 @@ def _model_config(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--{flag}{str(e)[len(field) :]}") from None
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False):
+def validate_args(
+    args: argparse.Namespace, world_size: int, cuda: bool = False, have_te: bool | None = None
+):
     """Check `args` for `world_size` processes; fill the derived values; return `args`.
+
+    `cuda` / `have_te`: whether the run has a CUDA device and transformer-engine (default:
+    whether this process can import it; the memory calculator sizes a GPU run elsewhere).
 
     `args.startup_notes`: lines the app prints once at start-up (Megatron flags that select
     what runs anyway, and defaults that cannot hold here)."""
@@ -608,7 +650,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool = False)
     _context_parallel(args)
     _batch(args)
     _training_length(args)
-    _precision_and_gpu(args, cuda)
+    if have_te is None:
+        from pentatron.models import HAVE_TE
+
+        have_te = HAVE_TE
+    _precision_and_gpu(args, cuda, have_te)
     _fsdp2(args)
     _compile(args)
     _data_and_checkpoints(args)

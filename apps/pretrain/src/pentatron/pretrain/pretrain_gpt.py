@@ -52,25 +52,12 @@ def resolve_data(args: argparse.Namespace, grid) -> None:
 
 
 def build_tokenizer_for(args: argparse.Namespace):
-    from .tokenizer import build_tokenizer
+    from .tokenizer.arguments import tokenizer_from_args
 
     if args.mock_data and args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer"
         args.vocab_size = args.vocab_size or 4096
-    return build_tokenizer(
-        args.tokenizer_type,
-        args.tokenizer_model,
-        args.vocab_size,
-        args.vocab_file,
-        args.merge_file,
-        cache_dir=args.data_cache_path,
-        special_tokens=args.special_tokens,
-        tiktoken_pattern=args.tiktoken_pattern,
-        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        null_tokenizer_eod_id=args.null_tokenizer_eod_id,
-        null_tokenizer_pad_id=args.null_tokenizer_pad_id,
-        tokenizer_hf_no_include_special_tokens=args.tokenizer_hf_no_include_special_tokens,
-    )
+    return tokenizer_from_args(args, cache_dir=args.data_cache_path)
 
 
 def model_provider(
@@ -117,9 +104,12 @@ def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int], grid) 
 
 
 def _num_samples(args) -> tuple[int, int, int]:
+    """Samples of the train and valid splits; the test split is not evaluated by this app,
+    so it is not built (0 samples), and a split that leaves it no documents is fine."""
     gbs = args.global_batch_size
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters else 0
-    return args.train_iters * gbs, evals * gbs, args.eval_iters * gbs
+    rounds = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
+    evals = rounds * args.eval_iters
+    return args.train_iters * gbs, evals * gbs, 0
 
 
 def _loader_factory(args, grid, dataset, consumed: int):

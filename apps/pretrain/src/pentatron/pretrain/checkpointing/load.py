@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from pentatron.optim import FSDP2Optimizer
+from pentatron.optim import FSDP2Optimizer, SchedulerMismatchError
 from pentatron.optim.dcp_chunks import ChunkLoadPlanner
 from pentatron.parallel_state import ProcessGrid, comm
 
@@ -126,6 +126,35 @@ def _resolve(load_dir: str, iteration: int | None) -> str | None:
     return path
 
 
+# The flags behind each field the scheduler checkpoints (their values in iterations or, with
+# --train-samples, in samples).
+_SCHEDULER_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters / --lr-warmup-samples",
+    "lr_decay_steps": "--lr-decay-iters / --lr-decay-samples",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--start-weight-decay (or --weight-decay)",
+    "end_wd": "--end-weight-decay (or --weight-decay)",
+    "wd_incr_steps": "--train-iters / --train-samples",
+    "wd_incr_style": "--weight-decay-incr-style",
+}
+
+
+def _load_scheduler(scheduler: Any, state: dict[str, Any], path: str) -> None:
+    """Megatron's rule, in the flags a user types: a schedule that differs from the
+    checkpoint's needs one of the two flags saying which wins."""
+    try:
+        scheduler.load_state_dict(state)
+    except SchedulerMismatchError as e:
+        flag = _SCHEDULER_FLAGS.get(e.field, e.field)
+        raise IncompatibleCheckpointError(
+            f"--load {path}: the lr schedule's {e.field} ({flag}) is {e.mine!r} in this run "
+            f"and {e.saved!r} in the checkpoint; fix: add --use-checkpoint-opt_param-scheduler "
+            "to take the checkpoint's, or --override-opt_param-scheduler to keep this run's"
+        ) from None
+
+
 def load_checkpoint(
     load_dir: str,
     model_chunks: Sequence[Any],
@@ -191,7 +220,7 @@ def load_checkpoint(
     elif optimizer is not None and not fsdp2:  # FSDP2's params are its main params
         refresh_main_from_model(optimizer)
     if scheduler is not None and load_optim and not finetune and common["scheduler"]:
-        scheduler.load_state_dict(common["scheduler"])
+        _load_scheduler(scheduler, common["scheduler"], path)
     if rng:
         restore_rng(rank, rng)
     comm.barrier(grid.host_group)

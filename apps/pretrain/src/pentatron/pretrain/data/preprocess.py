@@ -25,24 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tokenizer.factory import TOKENIZER_TYPES, build_tokenizer
+from ..tokenizer.arguments import add_tokenizer_file_args, tokenizer_from_args
+from ..tokenizer.factory import TOKENIZER_TYPES
 from .indexed_dataset import DType, IndexedDatasetBuilder, data_file_path, index_file_path
 
 _WORKER: dict = {}
 
 
-def _tokenizer_from_args(args):
-    return build_tokenizer(
-        args.tokenizer_type,
-        args.tokenizer_model,
-        vocab_size=args.vocab_size,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-    )
-
-
 def _init_worker(args) -> None:
-    _WORKER["tokenizer"] = _tokenizer_from_args(args)
+    _WORKER["tokenizer"] = tokenizer_from_args(args)
     _WORKER["keys"] = tuple(args.json_keys)
     _WORKER["append_eod"] = args.append_eod
 
@@ -130,7 +121,7 @@ def preprocess(args) -> dict[str, str]:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.partitions < 1:
         raise ValueError(f"--partitions must be >= 1, got {args.partitions}")
-    tokenizer = _tokenizer_from_args(args)  # fail fast, in this process, on a bad tokenizer
+    tokenizer = tokenizer_from_args(args)  # fail fast, in this process, on a bad tokenizer
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     outputs = {key: _output_prefix(args.output_prefix, key) for key in args.json_keys}
@@ -184,14 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="PentatronBPETokenizer", choices=TOKENIZER_TYPES)
-    g.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="tokenizer.json or a Hugging Face tokenizer directory",
-    )
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    add_tokenizer_file_args(g)
     g.add_argument(
         "--append-eod",
         action="store_true",

@@ -32,7 +32,11 @@ from .report import memory_report, plot, print_table
 def _parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog = "pentatron-memory"
-    p.description = "Memory per GPU and pipeline stage for a pentatron-pretrain run."
+    p.description = (
+        "Memory per GPU and pipeline stage for a pentatron-pretrain run (the same flags; "
+        "--lr is not needed, --micro-batch-size defaults to 1 and --max-position-embeddings to "
+        "--seq-length)."
+    )
     g = p.add_argument_group("memory calculator")
     g.add_argument(
         "--preset", default=None, help="gpt3-175b, llama3-8b/70b/405b, mixtral-8x7b, deepseek-v3"
@@ -123,8 +127,16 @@ def _validated(
         )
     if args.train_iters is None and args.train_samples is None:
         args.train_iters = 1
+    # The app requires these; memory does not depend on the lr, and the position table is
+    # sized by --max-position-embeddings, which here defaults to the sequence length.
+    if args.lr is None:
+        args.lr = 0.0
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 1
+    if args.max_position_embeddings is None and args.seq_length is not None:
+        args.max_position_embeddings = args.seq_length
     args.mock_data = True
-    validate_args(args, world, cuda=True)
+    validate_args(args, world, cuda=True, have_te=True)  # sizing the GPU run, wherever it runs
     plan = plan_from_args(args)
     plan.config = dataclasses.replace(plan.config, **late)
     plan.dp = dp

@@ -35,6 +35,8 @@ _LLAMA = {
     "vocab_size": 128256,
     "seq_length": 8192,
     "rotary_base": 500000.0,
+    "hidden_dropout": 0.0,  # Llama trains without dropout (Megatron's default is 0.1)
+    "attention_dropout": 0.0,
 }
 
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -189,10 +191,14 @@ def _hf_flags(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]
         "position_embedding_type": "rope",
         "rotary_base": float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        # HF decoders name no hidden dropout; attention dropout is 0.0 in every released one
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(cfg.get("attention_dropout", 0.0)),
         **_hf_biases(path, cfg, model_type),
     }
     if cfg.get("max_position_embeddings"):
         flags["seq_length"] = int(cfg["max_position_embeddings"])
+        flags["max_position_embeddings"] = flags["seq_length"]
     if model_type.startswith("deepseek"):
         # MLA sized as MHA over its query/key head dim (as the deepseek-v3 preset; the
         # low-rank q/kv projections and the smaller KV activations are not modelled).

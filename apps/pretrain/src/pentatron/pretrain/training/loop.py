@@ -157,9 +157,11 @@ class Trainer:
 
     def _maybe_evaluate(self, state: TrainState) -> None:
         args = self.args
-        if not self.valid_iters or not args.eval_interval or not args.eval_iters:
+        if not self.valid_iters or not args.eval_iters:
             return
-        if state.iteration % args.eval_interval and state.iteration != args.train_iters:
+        # every --eval-interval iterations, and after the last (Megatron's final evaluation)
+        periodic = bool(args.eval_interval) and state.iteration % args.eval_interval == 0
+        if not periodic and state.iteration != args.train_iters:
             return
         with self.hooks.evaluation() if self.hooks else contextlib.nullcontext():
             loss = evaluate(

@@ -218,4 +218,5 @@ def evaluate(
     finally:
         for c in chunks:
             c.train()
+            c.reshard()  # FSDP2: back to this rank's shards (no backward resharded them)
     return reduce_losses(reduced, grid)
