@@ -270,6 +270,8 @@ def test_script_trains_two_steps_on_cpu(script, script_files, tmp_path):
     init = _loss_at_init(vocab, args.make_vocab_size_divisible_by)
     assert abs(losses[0] - init) < 0.05, (losses, init)  # measured: at most 0.015
     assert all(loss == loss and loss < init + 1.0 for loss in losses)
+    # the logged lr is --lr's schedule (not --decoupled-lr's, the Llama script's 5e-4)
+    assert all(0 < r["lr"] <= args.lr for r in records if r.get("split") == "train")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 

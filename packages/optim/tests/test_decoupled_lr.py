@@ -21,6 +21,7 @@ def test_tagged_params_get_the_decoupled_peak_and_min():
     tagged = [g for g in groups if "max_lr" in g]
     assert len(tagged) == 1 and tagged[0]["max_lr"] == 0.5 and tagged[0]["min_lr"] == 0.05
     assert tagged[0]["params"][0].shape == (8, 4)
+    assert [g["is_decoupled_lr"] for g in groups] == [g in tagged for g in groups]  # Megatron's
     assert all("max_lr" not in g for g in get_param_groups([_model()]))  # off by default
 
     opt = torch.optim.SGD(groups, lr=1.0)

@@ -29,6 +29,14 @@ from .params_norm import params_norm
 from .step import agree_flags, evaluate, train_step
 
 
+def _logged_lr(param_groups) -> float:
+    """Megatron's "learning rate": the lr of a group without --decoupled-lr."""
+    for group in param_groups:
+        if not group.get("is_decoupled_lr"):
+            return group["lr"]
+    return param_groups[0]["lr"]
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss was NaN or Inf at some iteration (and --on-nan-loss is "stop")."""
 
@@ -137,7 +145,7 @@ class Trainer:
             state.iteration,
             {
                 "lm loss": out.loss if out.loss is not None else float("nan"),
-                "lr": self.optimizer.param_groups[0]["lr"],
+                "lr": _logged_lr(self.optimizer.param_groups),
                 "grad_norm": out.grad_norm,
                 "loss_scale": out.loss_scale if out.loss_scale is not None else 1.0,
                 "num_zeros": out.num_zeros,

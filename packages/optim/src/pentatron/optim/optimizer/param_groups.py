@@ -44,6 +44,7 @@ def get_param_groups(
     out: list[dict[str, Any]] = []
     for (wd, lr, decoupled), ps in groups.items():
         group: dict[str, Any] = {"params": ps, "wd_mult": wd, "lr_mult": lr}
+        group["is_decoupled_lr"] = decoupled  # Megatron's key: loggers report the others' lr
         if decoupled:
             group["max_lr"] = decoupled_lr
             if decoupled_min_lr is not None:
