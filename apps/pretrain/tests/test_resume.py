@@ -282,3 +282,39 @@ def test_scheduler_mismatch_names_the_flags_and_each_flag_decides(distributed, t
     # iteration 3 ran at this run's lr, or at the checkpoint's
     assert out["--override-opt_param-scheduler"] == (3, pytest.approx(2e-3, rel=1e-12))
     assert out["--use-checkpoint-opt_param-scheduler"] == (3, pytest.approx(1e-3, rel=1e-12))
+
+
+def _strictness_runs(root: str) -> dict:
+    """Megatron's --dist-ckpt-strictness on a model that gained (or lost) the q/k norms."""
+    from pentatron.parallel_state import destroy_model_parallel
+    from pentatron.pretrain.checkpointing import IncompatibleCheckpointError
+
+    plain, qk = os.path.join(root, "plain"), os.path.join(root, "qk")
+    train([*BASE, "--train-iters", "3", "--save", plain])
+    train([*BASE, "--qk-layernorm", "--train-iters", "3", "--save", qk])
+    out: dict = {}
+
+    def attempt(name: str, argv: list[str]) -> None:
+        try:
+            out[name] = len(train([*BASE, "--train-iters", "4", "--no-load-optim", *argv]))
+        except IncompatibleCheckpointError as e:
+            out[name] = str(e)
+        finally:
+            destroy_model_parallel()
+
+    attempt("missing-default", ["--qk-layernorm", "--load", plain])
+    attempt(
+        "missing-log_all", ["--qk-layernorm", "--load", plain, "--dist-ckpt-strictness", "log_all"]
+    )
+    attempt("unexpected-default", ["--load", qk])
+    attempt("unexpected-raise", ["--load", qk, "--dist-ckpt-strictness", "raise_unexpected"])
+    return out
+
+
+def test_dist_ckpt_strictness_decides_missing_and_unexpected_tensors(distributed, tmp_path):
+    (out,) = distributed.run(1, _strictness_runs, str(tmp_path))
+    assert "lacks" in out["missing-default"] and "q_layernorm" in out["missing-default"]
+    assert out["missing-log_all"] == 1  # loaded at 3, trained iteration 4
+    assert out["unexpected-default"] == 1  # assume_ok_unexpected: the extra norms are ignored
+    assert "this model does not have" in out["unexpected-raise"]
+    assert "--dist-ckpt-strictness log_unexpected" in out["unexpected-raise"]

@@ -38,6 +38,13 @@ MODEL_FIELDS = (
 )
 
 
+# Fields that add or drop tensors without changing the shape of the others: a difference
+# shows as missing / unexpected keys, which --dist-ckpt-strictness decides (Megatron's rule).
+PRESENCE_FIELDS = frozenset(
+    {"add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights"}
+)
+
+
 class IncompatibleCheckpointError(ValueError):
     """The checkpoint was saved from a model of another shape (the message names the field)."""
 
@@ -64,8 +71,9 @@ def layout(grid: ProcessGrid, config: Any) -> dict[str, Any]:
 
 
 def check_model(saved: dict[str, Any], current: dict[str, Any], path: str) -> None:
-    """Raise `IncompatibleCheckpointError` naming the first field that differs."""
-    for name in sorted(set(saved) | set(current)):
+    """Raise `IncompatibleCheckpointError` naming the first field that differs (the
+    PRESENCE_FIELDS aside: their tensors are checked key by key)."""
+    for name in sorted((set(saved) | set(current)) - PRESENCE_FIELDS):
         if saved.get(name) != current.get(name):
             raise IncompatibleCheckpointError(
                 f"incompatible model: checkpoint {path} has {name}={saved.get(name)!r}, this "

@@ -91,7 +91,13 @@ def _model_mismatch(
         if unexpected and log and dist.get_rank() == 0:
             logger.warning("checkpoint %s: unexpected tensors not loaded: %s", path, unexpected)
     if missing and raise_missing:
-        _check_present(wanted, saved, path, "fix: save and load the same model")
+        _check_present(
+            wanted,
+            saved,
+            path,
+            "fix: load the model that was saved, or pass --dist-ckpt-strictness log_all to "
+            "keep their initial values",
+        )
     if missing and log:
         logger.warning(
             "checkpoint %s: missing tensors keep their initial values: %s", path, missing
