@@ -323,3 +323,28 @@ def test_data_cache_path_holds_the_dataset_index_cache(tmp_path):
     )
     assert train is not None and len(list(cache.rglob("*.npy"))) >= 3
     assert not list((tmp_path / "data").rglob("*.npy"))  # not next to the data
+
+
+@pytest.mark.parametrize("flags, mapped", [([], True), (["--no-mmap-bin-files"], False)])
+def test_no_mmap_bin_files_reads_the_tokens_into_memory(tmp_path, flags, mapped):
+    """Megatron's --no-mmap-bin-files: the .bin is read into memory, not mapped; the samples
+    are the same either way."""
+    from pentatron.pretrain.data.indexed_dataset import build_from_documents
+
+    rng = np.random.default_rng(1)
+    docs = [[*rng.integers(1, 200, size=30).tolist(), 0] for _ in range(40)]
+    prefix = tmp_path / "d"
+    build_from_documents(prefix, docs, dtype=np.uint16)
+    argv = [*MODEL, "--train-iters", "2", "--data-path", str(prefix), "--seq-length", "16"]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--eval-iters", "0"]
+    args = validate_args(parse_args([*argv, *flags]), 1)
+    tokenizer = SimpleNamespace(eod=0, pad=0, vocab_size=256)
+    train, _, _ = pretrain_gpt.datasets_provider(
+        args, tokenizer, (8, 0, 0), SimpleNamespace(host_group=None)
+    )
+    assert isinstance(train.dataset._bin, np.memmap) is mapped
+    reference = pretrain_gpt.datasets_provider(
+        validate_args(parse_args(argv), 1), tokenizer, (8, 0, 0), SimpleNamespace(host_group=None)
+    )[0]
+    for i in range(4):
+        assert np.array_equal(train[i]["tokens"], reference[i]["tokens"])
