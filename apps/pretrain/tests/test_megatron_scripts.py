@@ -218,7 +218,7 @@ def _with_test_files(script: str, files, ckpt) -> tuple[list[tuple[str, list[str
     paths, vocab = ({}, int(SCALE["--vocab-size"][0])) if mock else files[kind]
     out = []
     for flag, values in SCRIPTS[script]:
-        if flag in ("--train-iters",) and "--train-samples" in flags:
+        if flag == "--train-iters" and "--train-samples" in flags:
             continue
         if flag in paths:
             values = [paths[flag]]
