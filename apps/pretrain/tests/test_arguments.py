@@ -216,3 +216,28 @@ def test_swiglu_fusion_follows_megatron_flags(flags, fused):
 
     model = configs.transformer_config(_validated(flags, 1))
     assert model.bias_activation_fusion is fused
+
+
+def test_fp8_recipe_and_wgrad_fusion_flags_reach_the_model_config():
+    """--fp8-margin / --fp8-amax-history-len / --fp8-amax-compute-algo (Megatron's recipe
+    knobs, the Llama-3 FP8 script's 1024 / max) and --no-gradient-accumulation-fusion end up
+    in the TransformerConfig that builds the layers and the DelayedScaling recipe."""
+    from pentatron.models.te_spec import fp8_recipe_kwargs
+    from pentatron.pretrain.training import configs
+
+    default = configs.transformer_config(_validated([], 1))
+    assert default.gradient_accumulation_fusion is True
+    assert fp8_recipe_kwargs(default) == {
+        "margin": 0,
+        "amax_history_len": 1,
+        "amax_compute_algo": "most_recent",
+    }
+    flags = ["--fp8-margin", "2", "--fp8-amax-history-len", "1024"]
+    flags += ["--fp8-amax-compute-algo", "max", "--no-gradient-accumulation-fusion"]
+    model = configs.transformer_config(_validated(flags, 1))
+    assert model.gradient_accumulation_fusion is False
+    assert fp8_recipe_kwargs(model) == {
+        "margin": 2,
+        "amax_history_len": 1024,
+        "amax_compute_algo": "max",
+    }

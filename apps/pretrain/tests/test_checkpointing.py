@@ -326,7 +326,8 @@ def test_lifecycle(distributed, tmp_path):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_rectangles_tile_the_global_tensors(tp):
     """Single process: the tp shards' rectangles rebuild every global tensor exactly, with
-    vocabulary padding (100 rows padded to 128: tp rank 3 of 4 holds 4 real rows)."""
+    vocabulary padding (100 rows padded to 128: tp rank 3 of 4 holds 4 real rows; the 28
+    padding rows tile `<name>/vocab_padding`)."""
     from pentatron.models import shard_full_tensor
     from pentatron.pretrain.checkpointing.rectangles import ShardInfo, param_rects
 
@@ -352,6 +353,8 @@ def test_rectangles_tile_the_global_tensors(tp):
         else:
             got = rebuilt.pop(name)
         assert torch.equal(got, tensor), name
+    padding = rebuilt.pop("embedding.word_embeddings.weight/vocab_padding")
+    assert torch.equal(padding, torch.zeros(28, config.hidden_size))  # shard_full_tensor's
     assert not rebuilt
 
 

@@ -75,7 +75,7 @@ class _Metrics:
     def log_train(self, iteration: int, m: dict) -> None:
         self.train.append((m["lm loss"], m["grad_norm"]))
 
-    def log_eval(self, iteration: int, m: dict) -> None:
+    def log_eval(self, iteration: int, m: dict, label: str = "validation") -> None:
         self.eval.append(m["lm loss"])
 
     def close(self) -> None:

@@ -121,10 +121,11 @@ def test_single_dataset_and_errors(two_datasets, tmp_path):
         and len(train) >= 50
         and test.indices.tolist() == list(range(190, 200))
     )
-    with pytest.raises(ValueError, match=r"the test split of .* has no documents; check --split"):
-        build_train_valid_test_datasets(
-            [a], "969,30,1", (50, 10, 10), cfg
-        )  # 200 docs: test gets none
+    # 200 docs: the test range rounds to none; the test set is then not evaluated
+    assert build_train_valid_test_datasets([a], "969,30,1", (50, 10, 10), cfg)[2] is None
+    # an empty validation range is an error: the run asked for evaluations
+    with pytest.raises(ValueError, match=r"the valid split of .* has no documents; check --split"):
+        build_train_valid_test_datasets([a], "995,1,4", (50, 10, 10), cfg)
     with pytest.raises(FileNotFoundError, match=r"--data-path .*missing"):
         build_train_valid_test_datasets([str(tmp_path / "missing")], "1", (5, 0, 0), cfg)
     mock = build_train_valid_test_datasets(None, "98,2,0", (20, 4, 4), cfg, mock=True)

@@ -327,10 +327,11 @@ GC_RUN = [*APP, "--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2
     ("flags", "collections"),
     [
         ([], []),  # automatic gc: nothing collects while it is disabled
-        # start; iteration 2: interval, full before eval, young after; iteration 4: the same
-        (["--manual-gc", "--manual-gc-interval", "2"], [2, 2, 2, 0, 2, 2, 0]),
+        # start; iteration 2: interval, full before eval, young after; iteration 4: the
+        # same, then the same around the validation and test evaluations after training
+        (["--manual-gc", "--manual-gc-interval", "2"], [2, 2, 2, 0, 2, 2, 0, 2, 0, 2, 0]),
         (["--manual-gc", "--manual-gc-interval", "2", "--no-manual-gc-eval"], [2, 2, 2]),
-        (["--manual-gc"], [2, 2, 0, 2, 0]),  # interval 0: no periodic collection
+        (["--manual-gc"], [2, 2, 0, 2, 0, 2, 0, 2, 0]),  # interval 0: no periodic collection
     ],
 )
 def test_manual_gc_disables_gc_and_collects_at_its_points(distributed, flags, collections):

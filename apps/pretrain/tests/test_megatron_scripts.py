@@ -66,7 +66,7 @@ DROP |= {"--profile", "--lr-warmup-iters", "--lr-decay-iters"}  # samples-based 
 # What each script asks for that is refused on a CPU machine with this release, one line
 # each (the flag named first): fp16 / FP8 / cuDNN attention need CUDA, gpt-oss and
 # DeepSeek-V3 architecture flags land with their issues, Megatron-FSDP's NCCL buffers.
-_FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
+_FP8 = {"--fp8-format", "--fp8-param-gather"}
 _MFSDP_BUFFERS = {"--use-nccl-ub", "--fsdp-double-buffer", "--init-model-with-meta-device"}
 REFUSED_ON_CPU = {
     "examples/gpt3/train_gpt3_175b_distributed.sh": {"--fp16"},

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _app import TINY_GPT, TP2_PP2, last_stage, train
+from _app import TINY_GPT, TP2_PP2, last_stage, train, train_record
 
 BASE = [*TINY_GPT, "--seed", "5"]
 ARGS = [*BASE, "--use-distributed-optimizer"]
@@ -59,6 +59,30 @@ def test_resume_is_bitwise_exact(distributed, tmp_path_factory):
     from pentatron.pretrain.checkpointing import read_latest_iteration
 
     assert read_latest_iteration(os.path.join(root, "ckpt")) == 12
+
+
+# A vocabulary of 200 pads to 256 at tp2 (56 rows, all in the second shard) and to 224 at
+# tp1: the padding rows' logits enter the softmax, so they train and must be restored.
+PADDED_VOCAB = ["--vocab-size", "200"]
+
+
+def _padded_vocab_resume(root: str, base: list[str]) -> tuple[dict, dict, dict]:
+    argv = [*base, *PADDED_VOCAB, "--tensor-model-parallel-size", "2", "--train-iters", "6"]
+    ckpt = os.path.join(root, "ckpt")
+    full = train_record(argv)
+    train_record([*argv, "--exit-interval", "3", "--save", ckpt, "--save-interval", "3"])
+    resumed = train_record([*argv, "--load", ckpt])
+    # tp1: another padded size, so the padding rows start at zero (no error)
+    tp1 = [*base, *PADDED_VOCAB, "--train-iters", "6", "--load", ckpt]
+    return full, resumed, train_record(tp1)
+
+
+@pytest.mark.parametrize("base", [ARGS, FSDP2], ids=["distopt", "fsdp2"])
+def test_resume_with_a_padded_vocabulary_is_bitwise_exact(distributed, tmp_path, base):
+    for full, resumed, tp1 in distributed.run(4, _padded_vocab_resume, str(tmp_path), base):
+        assert resumed["losses"] == full["losses"][3:]
+        assert resumed["grad_norms"] == full["grad_norms"][3:]
+        assert len(tp1["losses"]) == 3 and all(math.isfinite(x) for x in tp1["losses"])
 
 
 def _save_at_tp2_pp2_dp2(distributed, tmp_path_factory, base):

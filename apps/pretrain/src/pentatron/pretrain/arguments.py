@@ -90,6 +90,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         "installed or there is no GPU, said once at start-up",
     )
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
+    g.add_argument("--fp8-margin", type=int, default=0, help="scaling-factor margin")
     g.add_argument("--fp8-amax-history-len", type=int, default=1)
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
     g.add_argument(

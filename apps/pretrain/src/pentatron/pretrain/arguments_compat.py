@@ -135,11 +135,6 @@ _NOTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "the loader never builds a mask: attention is causal by construction (SDPA is_causal)",
     ),
     "enable_experimental": (bool, "no feature of this release is gated by it"),
-    "gradient_accumulation_fusion": (
-        lambda v: not v,
-        "weight grads still accumulate straight into main_grad (same values up to rounding; "
-        "the unfused path is not wired)",
-    ),
 }
 
 _LATER = "not in this release"
@@ -165,16 +160,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "weights are initialised in full, then sharded, so every layout starts from the "
         "same numbers",
         "drop --init-model-with-meta-device",
-    ),
-    "fp8_amax_history_len": (
-        lambda v: v != 1,
-        "the FP8 recipe runs with transformer-engine's delayed-scaling defaults here",
-        "drop --fp8-amax-history-len",
-    ),
-    "fp8_amax_compute_algo": (
-        lambda v: v != "most_recent",
-        "the FP8 recipe runs with transformer-engine's delayed-scaling defaults here",
-        "drop --fp8-amax-compute-algo",
     ),
     "fp8_param_gather": (
         bool,
@@ -266,7 +251,6 @@ _FLAG_OF = {
     "masked_softmax_fusion": "--no-masked-softmax-fusion",
     "bias_dropout_fusion": "--no-bias-dropout-fusion",
     "apply_rope_fusion": "--no-rope-fusion",
-    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
     "bias_gelu_fusion": "--no-bias-gelu-fusion",
     "create_attention_mask_in_dataloader": "--no-create-attention-mask-in-dataloader",
 }

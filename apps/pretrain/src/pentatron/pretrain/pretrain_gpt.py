@@ -104,12 +104,20 @@ def datasets_provider(args, tokenizer, num_samples: tuple[int, int, int], grid) 
 
 
 def _num_samples(args) -> tuple[int, int, int]:
-    """Samples of the train and valid splits; the test split is not evaluated by this app,
-    so it is not built (0 samples), and a split that leaves it no documents is fine."""
+    """Samples of the train / valid / test splits (Megatron's): the validation set serves
+    every --eval-interval evaluation and the one after training; the test set, one
+    evaluation after training."""
     gbs = args.global_batch_size
     rounds = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
-    evals = rounds * args.eval_iters
-    return args.train_iters * gbs, evals * gbs, 0
+    return args.train_iters * gbs, rounds * args.eval_iters * gbs, args.eval_iters * gbs
+
+
+def _consumed_valid_samples(args, iteration: int) -> int:
+    """Where a resumed run's validation loader starts: after the evaluations of the
+    iterations already run (Megatron's count; the one after training is never saved)."""
+    if not args.eval_interval:
+        return 0
+    return (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
 
 
 def _loader_factory(args, grid, dataset, consumed: int):
@@ -152,9 +160,11 @@ def pretrain(
     loaded = _load(args, chunks, optimizer, scheduler, grid, config)
     if loaded is not None:
         state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
-    train_ds, valid_ds, _ = datasets_provider(args, tokenizer, _num_samples(args), grid)
+    train_ds, valid_ds, test_ds = datasets_provider(args, tokenizer, _num_samples(args), grid)
     train_factory = _loader_factory(args, grid, train_ds, state.consumed_samples)
-    valid_factory = _loader_factory(args, grid, valid_ds, 0)
+    valid_start = _consumed_valid_samples(args, state.iteration)
+    valid_factory = _loader_factory(args, grid, valid_ds, valid_start)
+    test_factory = _loader_factory(args, grid, test_ds, 0)
     forward_step = forward_step_func or make_forward_step(
         grid, args.micro_batch_size, args.seq_length
     )
@@ -174,6 +184,7 @@ def pretrain(
         pcfg=make_pipeline_config(args, chunks, grid, configs.pipeline_config),
         train_iters=build_iterators(train_factory, args, grid),
         valid_iters=build_iterators(valid_factory, args, grid) if valid_factory else None,
+        test_iters=build_iterators(test_factory, args, grid) if test_factory else None,
         logger=logger,
         save=_saver(args, chunks, optimizer, scheduler, grid, config, async_saver),
         async_saver=async_saver,

@@ -140,8 +140,9 @@ class SelfAttention(torch.nn.Module):
         self.core_attention = build_module(
             submodules.core_attention, config, layer_number=layer_number, tp_size=tp_size
         )
-        self.linear_proj = build_module(
+        self.linear_proj = build_linear(
             submodules.linear_proj,
+            config,
             config.query_projection_size,
             config.hidden_size,
             tp_group=tp_group,

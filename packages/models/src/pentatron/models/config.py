@@ -133,6 +133,13 @@ class TransformerConfig:
     attention_backend: str = "auto"
     calculate_per_token_loss: bool = False  # losses are sums over tokens (MoE aux losses follow)
     fp8: str | None = None  # "e4m3" | "hybrid": only with the transformer-engine spec
+    # transformer-engine's DelayedScaling recipe (Megatron's names and defaults)
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"  # "most_recent" | "max"
+    # weight grads of the parallel linears accumulate straight into `main_grad` (False: into
+    # `.grad`, which the data-parallel wrapper then adds to main_grad: one extra buffer)
+    gradient_accumulation_fusion: bool = True
     # CUDA graphs of the transformer layers (models.cuda_graphs); checked in _check_cuda_graph
     enable_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = 3
@@ -215,6 +222,10 @@ class TransformerConfig:
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         _choice("fp8", self.fp8, (None, "e4m3", "hybrid"))
+        _choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
+        _positive_int("fp8_amax_history_len", self.fp8_amax_history_len)
+        if not isinstance(self.fp8_margin, int) or self.fp8_margin < 0:
+            _fail("fp8_margin", self.fp8_margin, "must be an integer >= 0", "set fp8_margin=0")
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if (
             not isinstance(self.params_dtype, torch.dtype)

@@ -127,6 +127,7 @@ class GPTModel(torch.nn.Module):
                 and self.share_embeddings_and_output_weights,
                 sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             )
         self._tag_embedding_and_output()
 

@@ -17,7 +17,7 @@ import torch
 
 from .activations import mlp_activation
 from .config import TransformerConfig
-from .spec import build_linear, build_module
+from .spec import build_linear
 
 
 @dataclass
@@ -54,8 +54,9 @@ class MLP(torch.nn.Module):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
         )
-        self.linear_fc2 = build_module(
+        self.linear_fc2 = build_linear(
             submodules.linear_fc2,
+            config,
             config.ffn_hidden_size,
             config.hidden_size,
             tp_group=tp_group,

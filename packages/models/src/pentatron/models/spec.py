@@ -45,8 +45,10 @@ def build_module(spec: Any, *args: Any, **kwargs: Any) -> Any:
 def build_linear(spec: Any, config: Any, input_size: int, output_size: int, **kwargs: Any) -> Any:
     """Build a layer's linear from `spec`; a module that normalises its own input (marked
     `fuses_input_norm`, the TE spec's fused norm+linear) also gets `config=`, from which it
-    takes the norm's type and epsilon."""
+    takes the norm's type and epsilon. Every linear gets `config.gradient_accumulation_fusion`
+    (whether its weight grad goes straight into `main_grad`)."""
     module = spec.module if isinstance(spec, ModuleSpec) else spec
+    kwargs.setdefault("gradient_accumulation_fusion", config.gradient_accumulation_fusion)
     if getattr(module, "fuses_input_norm", False):
         kwargs["config"] = config
     return build_module(spec, input_size, output_size, **kwargs)

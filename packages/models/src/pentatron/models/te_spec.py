@@ -237,9 +237,19 @@ def fp8_context(config: Any, amax_group: Any = None) -> Any:
     from transformer_engine.common import recipe  # type: ignore[import-not-found]
 
     fmt = recipe.Format.E4M3 if config.fp8 == "e4m3" else recipe.Format.HYBRID
-    return te.fp8_autocast(
-        enabled=True, fp8_recipe=recipe.DelayedScaling(fp8_format=fmt), fp8_group=amax_group
-    )
+    fp8_recipe = recipe.DelayedScaling(fp8_format=fmt, **fp8_recipe_kwargs(config))
+    return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe, fp8_group=amax_group)
+
+
+def fp8_recipe_kwargs(config: Any) -> dict[str, Any]:
+    """The DelayedScaling arguments Megatron's recipe takes from its config: the scale's
+    margin (a power of two of headroom) and the amax history (its length, and whether the
+    scale follows the newest amax or the history's maximum)."""
+    return {
+        "margin": config.fp8_margin,
+        "amax_history_len": config.fp8_amax_history_len,
+        "amax_compute_algo": config.fp8_amax_compute_algo,
+    }
 
 
 def amax_reduction_group(parallel: Any) -> Any:

@@ -56,7 +56,14 @@ class FSDP2OptimizerLoad:
     the model entries fill the same params, and DCP's order of the two reads is not fixed.
     """
 
-    def __init__(self, optimizer: FSDP2Optimizer, grid: ProcessGrid, saved: set[str]):
+    def __init__(
+        self,
+        optimizer: FSDP2Optimizer,
+        grid: ProcessGrid,
+        saved: set[str],
+        skip: frozenset[str] = frozenset(),
+    ):
+        """`skip`: rectangle keys not read (their values stay zero)."""
         self.optimizer = optimizer
         self.has_state = saved_has_state(saved)
         keys = per_element_keys(optimizer) if self.has_state else []
@@ -68,7 +75,7 @@ class FSDP2OptimizerLoad:
             self.state[p] = {k: torch.zeros_like(p.data) for k in keys}  # DTensors like p
             targets = {"main": self.main[p]}
             targets.update({k: local_tensor(v) for k, v in self.state[p].items()})
-            for rect in rects:
+            for rect in (r for r in rects if r.key not in skip):
                 for k, t in targets.items():
                     add_rect(self.entries, f"{PREFIX}{k}/", rect, t)
 

@@ -32,8 +32,9 @@ from .common_state import (
 from .common_state import layout as grid_layout
 from .fsdp2_optimizer_state import FSDP2OptimizerLoad
 from .model_state import PREFIX as MODEL_PREFIX
-from .model_state import model_keys, model_load_entries
+from .model_state import model_keys, model_load_entries, padding_to_skip
 from .optimizer_state import OptimizerLoad, refresh_main_from_model
+from .rectangles import VOCAB_PADDING
 from .rng_state import restore_rng, rng_load_entries
 
 logger = logging.getLogger("pentatron.pretrain")
@@ -73,7 +74,8 @@ STRICTNESS = {
 def _model_mismatch(
     chunks: Sequence[Any], grid: ProcessGrid, saved: set[str], path: str, strictness: str
 ) -> frozenset[str]:
-    """Check the model keys per `strictness`; the keys to skip (missing, not raised)."""
+    """Check the model keys per `strictness` (vocabulary padding aside: `padding_to_skip`);
+    the rectangle keys to skip (missing, not raised)."""
     raise_missing, raise_unexpected, log = STRICTNESS[strictness]
     wanted = model_keys(chunks, grid)
     missing = sorted(wanted - saved)
@@ -81,7 +83,11 @@ def _model_mismatch(
         every: list[set[str] | None] = [None] * dist.get_world_size(grid.host_group)
         dist.all_gather_object(every, wanted, group=grid.host_group)
         loaded = set().union(*(s for s in every if s is not None))
-        unexpected = sorted(k for k in saved if k.startswith(MODEL_PREFIX) and k not in loaded)
+        unexpected = sorted(
+            k
+            for k in saved
+            if k.startswith(MODEL_PREFIX) and k not in loaded and not k.endswith(VOCAB_PADDING)
+        )
         if unexpected and raise_unexpected:
             raise IncompatibleCheckpointError(
                 f"checkpoint {path} holds {len(unexpected)} tensors this model does not have, "
@@ -102,7 +108,7 @@ def _model_mismatch(
         logger.warning(
             "checkpoint %s: missing tensors keep their initial values: %s", path, missing
         )
-    return frozenset(missing)
+    return frozenset(k[len(MODEL_PREFIX) :] for k in missing)
 
 
 def _rng_matches(common: dict[str, Any], grid: ProcessGrid, config: Any) -> bool:
@@ -201,12 +207,14 @@ def load_checkpoint(
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     for chunk in model_chunks:
         chunk.finish_param_sync()
-    skip = _model_mismatch(model_chunks, grid, set(saved), path, strictness)
+    padding = padding_to_skip(model_chunks, grid, saved)
+    skip = _model_mismatch(model_chunks, grid, set(saved), path, strictness) | padding
     sd = model_load_entries(model_chunks, grid, skip)
     opt_load: OptimizerLoad | FSDP2OptimizerLoad | None = None
     fsdp2 = isinstance(optimizer, FSDP2Optimizer)
     if optimizer is not None and load_optim and not finetune:
-        opt_load = (FSDP2OptimizerLoad if fsdp2 else OptimizerLoad)(optimizer, grid, set(saved))
+        load_cls = FSDP2OptimizerLoad if fsdp2 else OptimizerLoad
+        opt_load = load_cls(optimizer, grid, set(saved), frozenset(padding))
         hint = "it was saved without an optimizer; fix: pass load_optim=False"
         _check_present(opt_load.entries, saved, path, hint)
         sd.update(opt_load.entries)

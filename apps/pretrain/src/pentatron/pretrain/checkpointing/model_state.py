@@ -3,7 +3,8 @@
 Save: dp rank 0 of each model-parallel group writes its tp shards' rectangles (see
 `rectangles`); with FSDP2 every dp rank writes the rows of the shards it holds. Load: every
 rank reads the rectangles of its own shards, at any tp / pp / vpp / dp layout and with or
-without FSDP2; vocabulary padding rows (which differ with tp) are set to zero.
+without FSDP2; vocabulary padding rows load where the padded size is the saved one, else
+are set to zero.
 
 A param is a plain tensor (DDP) or an FSDP2 `DTensor` whose global shape is the tp shard;
 its rectangles then index `local_tensor(param)`.
@@ -20,7 +21,7 @@ from pentatron.optim import FSDP2DataParallel, local_tensor
 from pentatron.optim.dcp_chunks import GlobalChunks
 from pentatron.parallel_state import ProcessGrid
 
-from .rectangles import Rect, param_rects, restrict_rows, shard_info
+from .rectangles import VOCAB_PADDING, Rect, param_rects, restrict_rows, shard_info
 
 PREFIX = "model/"
 
@@ -83,8 +84,29 @@ def model_save_entries(chunks: Sequence[Any], grid: ProcessGrid) -> dict[str, An
 
 
 def model_keys(chunks: Sequence[Any], grid: ProcessGrid) -> set[str]:
-    """The `model/<key>` names this rank's params and buffers load from."""
-    return {PREFIX + r.key for _, rects in _all_rects(chunks, grid) for r in rects}
+    """The `model/<key>` names this rank's params and buffers load from (without the
+    vocabulary-padding rows, which a checkpoint of another padded size cannot hold)."""
+    return {
+        PREFIX + r.key
+        for _, rects in _all_rects(chunks, grid)
+        for r in rects
+        if not r.key.endswith(VOCAB_PADDING)
+    }
+
+
+def padding_to_skip(chunks: Sequence[Any], grid: ProcessGrid, saved: dict[str, Any]) -> set[str]:
+    """The vocabulary-padding keys this rank cannot load from a checkpoint whose tensor
+    metadata is `saved`: absent, or of another padded size (another tp or
+    --make-vocab-size-divisible-by). Those rows, and their optimizer state, start at zero."""
+    out = set()
+    for _, rects in _all_rects(chunks, grid):
+        for r in rects:
+            meta = saved.get(PREFIX + r.key)
+            if r.key.endswith(VOCAB_PADDING) and (
+                meta is None or tuple(meta.size) != r.global_shape
+            ):
+                out.add(r.key)
+    return out
 
 
 @torch.no_grad()
@@ -93,17 +115,18 @@ def model_load_entries(
 ) -> dict[str, Any]:
     """`{model/<key>: GlobalChunks}` of views into this rank's params (filled by DCP).
 
-    Zeroes the params first, so rows no rectangle covers (vocabulary padding) end as zeros.
-    A tensor whose keys are all in `skip` (missing from a checkpoint loaded leniently,
-    --dist-ckpt-strictness) keeps its values.
+    Zeroes the params first, so rows no rectangle covers (vocabulary padding in `skip`)
+    end as zeros. A tensor whose keys (`Rect.key`) are all in `skip` (missing from a
+    checkpoint loaded leniently, --dist-ckpt-strictness) keeps its values.
     """
     sd: dict[str, Any] = {}
     for p, rects in _all_rects(chunks, grid):
-        rects = [r for r in rects if PREFIX + r.key not in skip]
-        if not rects:
+        kept = [r for r in rects if r.key not in skip]
+        skipped_padding_only = all(r.key.endswith(VOCAB_PADDING) for r in rects if r not in kept)
+        if not rects or (not kept and not skipped_padding_only):
             continue
         local = local_tensor(p.data)  # a view: DCP's writes reach the DTensor's shard
         local.zero_()
-        for rect in rects:
+        for rect in kept:
             add_rect(sd, PREFIX, rect, local)
     return sd

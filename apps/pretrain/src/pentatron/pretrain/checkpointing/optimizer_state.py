@@ -117,7 +117,14 @@ def saved_has_state(saved: set[str]) -> bool:
 class OptimizerLoad:
     """Receiving tensors for one load (`entries`), then `apply()` puts them in place."""
 
-    def __init__(self, optimizer: MixedPrecisionOptimizer, grid: ProcessGrid, saved: set[str]):
+    def __init__(
+        self,
+        optimizer: MixedPrecisionOptimizer,
+        grid: ProcessGrid,
+        saved: set[str],
+        skip: frozenset[str] = frozenset(),
+    ):
+        """`skip`: rectangle keys not read (their values stay zero)."""
         self.optimizer, self.pieces = optimizer, _pieces(optimizer)
         self.has_state = saved_has_state(saved)
         self.keys = ["main"] + (per_element_keys(optimizer) if self.has_state else [])
@@ -127,7 +134,7 @@ class OptimizerLoad:
             if p not in self.pieces:
                 continue  # the distributed optimizer gave this rank no piece of p
             self.full[p] = {k: torch.zeros(p.shape, device=p.device) for k in self.keys}
-            for rect in rects:
+            for rect in (r for r in rects if r.key not in skip):
                 for k in self.keys:
                     add_rect(self.entries, f"{PREFIX}{k}/", rect, self.full[p][k])
 

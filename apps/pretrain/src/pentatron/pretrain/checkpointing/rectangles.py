@@ -10,7 +10,9 @@ or two rectangles of it (see `pentatron.models.sharding` for the split rules):
 | dim d, stride 1        | `[.., n_d/t, ..]`            | offset `r n_d/t` on dim d             |
 | swiglu fc1 (stride 2)  | `[2f/t, h]` = `[gate; up]`   | `<name>/gate`, `<name>/up` `[f, h]`,  |
 |                        |                              | each at row `r f/t`                   |
-| vocab (dim 0, padded)  | `[V_pad/t, h]`               | real rows only: global `[V, h]`       |
+| vocab (dim 0, padded)  | `[V_pad/t, h]`               | real rows: global `[V, h]`; padding   |
+|                        |                              | rows: `<name>/vocab_padding`          |
+|                        |                              | `[V_pad - V, h]`                      |
 
 | expert `[E/ep, ...]`   | ep rank e, etp split as above | offset `e E/ep` on dim 0, then the   |
 |                        |                              | etp split like tp (gate/up for fc1)  |
@@ -33,6 +35,11 @@ from pentatron.models import TransformerConfig, global_param_name, param_shardin
 from pentatron.optim import FSDP2DataParallel
 
 EMBEDDING = "embedding.word_embeddings.weight"
+# The rows a vocabulary is padded with (to a multiple of --make-vocab-size-divisible-by x
+# tp) train like the others in the output layer (their logits enter the softmax), so a
+# resume must restore them; their number changes with tp, so they live apart from the real
+# rows and load only where the padded size is the saved one (else they start at zero).
+VOCAB_PADDING = "/vocab_padding"
 
 
 @dataclass(frozen=True)
@@ -77,15 +84,21 @@ def _split(key, shape, dim, rank, size, start, stop, writer) -> Rect:
 
 
 def _vocab_rect(key: str, shape: tuple[int, ...], info: ShardInfo, writer: bool) -> list[Rect]:
+    """The shard's real rows in `key` `[V, ...]`, its padding rows in `key/vocab_padding`."""
     rows = info.padded_vocab_size // info.tp_size
     start = info.tp_rank * rows
-    real = min(info.vocab_size, start + rows) - start
-    if real <= 0:  # this shard is all padding
-        return []
-    local = (slice(0, real),) + (slice(None),) * (len(shape) - 1)
-    gshape = (info.vocab_size, *shape[1:])
-    offsets = (start,) + (0,) * (len(shape) - 1)
-    return [Rect(key, gshape, offsets, local, writer)]
+    real = max(0, min(info.vocab_size, start + rows) - start)  # 0: the shard is all padding
+    rest = (slice(None),) * (len(shape) - 1)
+    zeros = (0,) * (len(shape) - 1)
+    out = []
+    if real:
+        gshape = (info.vocab_size, *shape[1:])
+        out.append(Rect(key, gshape, (start, *zeros), (slice(0, real), *rest), writer))
+    if real < rows:
+        gshape = (info.padded_vocab_size - info.vocab_size, *shape[1:])
+        offsets = (start + real - info.vocab_size, *zeros)
+        out.append(Rect(key + VOCAB_PADDING, gshape, offsets, (slice(real, rows), *rest), writer))
+    return out
 
 
 def param_rects(local_name: str, shape: tuple[int, ...], info: ShardInfo) -> list[Rect]:

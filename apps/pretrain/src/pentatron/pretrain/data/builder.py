@@ -101,6 +101,11 @@ def build_train_valid_test_datasets(
 ) -> list:
     """[train, valid, test] datasets (each a GPTDataset, a BlendedDataset, or None).
 
+    A split is None when its --split part or its sample count is 0. An empty document range
+    is an error for train and valid (asked for by the run) and None for test: the test set
+    is evaluated only when the split leaves it documents (`--split 969,30,1` of a small
+    corpus rounds its range to nothing).
+
     `mock`: synthetic documents with ids in [1, mock_max_token] (see MockGPTDataset).
     """
     fractions = parse_split(split)
@@ -115,7 +120,8 @@ def build_train_valid_test_datasets(
     result: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLITS):
         n = train_valid_test_num_samples[s]
-        if fractions[s] == 0 or n == 0:
+        empty_test = name == "test" and any(b[s] == b[s + 1] for b in per_dataset_bounds)
+        if fractions[s] == 0 or n == 0 or empty_test:
             result.append(None)
             continue
         if len(paths) == 1:

@@ -89,6 +89,7 @@ class Trainer:
     save: Any  # save(state) -> None, or None without --save
     async_saver: Any = None  # checkpointing.AsyncSaver with --async-save
     cuda_graphs: Any = None  # models.LayerCudaGraphs with --enable-cuda-graph
+    test_iters: list | None = None  # the test split, evaluated once after training
     hooks: Any = field(default=None, init=False)  # IterationHooks while `train` runs
 
     def _should_exit(self, state: TrainState, started: float, catcher: SignalCatcher) -> str:
@@ -164,26 +165,37 @@ class Trainer:
         )
 
     def _maybe_evaluate(self, state: TrainState) -> None:
+        """The validation set every --eval-interval iterations."""
+        interval = self.args.eval_interval
+        if interval and state.iteration % interval == 0:
+            self._evaluate(state, self.valid_iters, "validation")
+
+    def _final_evaluation(self, state: TrainState) -> None:
+        """After training ran to --train-iters, as Megatron's `pretrain` does: the validation
+        set once more (its next batches) and the test set once. An early exit (signal,
+        --exit-interval, --exit-duration-in-mins) skips both, as Megatron's does."""
+        self._evaluate(state, self.valid_iters, "validation")
+        self._evaluate(state, self.test_iters, "test")
+
+    def _evaluate(self, state: TrainState, iterators: list | None, label: str) -> None:
         args = self.args
-        if not self.valid_iters or not args.eval_iters:
+        if not iterators or not args.eval_iters:
             return
-        # every --eval-interval iterations, and after the last (Megatron's final evaluation)
-        periodic = bool(args.eval_interval) and state.iteration % args.eval_interval == 0
-        if not periodic and state.iteration != args.train_iters:
-            return
+        # an evaluation batch is a full global batch, also during --rampup-batch-size
+        dp_batch = args.micro_batch_size * args.data_parallel_size
         with self.hooks.evaluation() if self.hooks else contextlib.nullcontext():
             loss = evaluate(
                 args,
                 self.chunks,
-                self.valid_iters,
+                iterators,
                 self.forward_step,
                 self.pcfg,
                 self.grid,
                 args.eval_iters,
-                num_microbatches(args, state.consumed_samples),
+                args.global_batch_size // dp_batch,
             )
         if loss is not None:
-            self.logger.log_eval(state.iteration, {"lm loss": loss})
+            self.logger.log_eval(state.iteration, {"lm loss": loss}, label=label)
 
     def train(self, state: TrainState) -> TrainState:
         args, started = self.args, time.time()
@@ -206,6 +218,8 @@ class Trainer:
                 state.exit_reason = "train-iters"
             if self.save and saved_at != state.iteration:
                 self.save(state)
+            if state.exit_reason == "train-iters":
+                self._final_evaluation(state)
         except NonFiniteLossError:
             self._finish_async_work()  # every rank stopped here: the collectives are in step
             raise
