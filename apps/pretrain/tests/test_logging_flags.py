@@ -512,3 +512,21 @@ def test_defaults_are_megatrons():
     assert parse_args(["--disable-manual-gc-eval"]).manual_gc_eval is False
     with pytest.raises(SystemExit):
         parse_args(["--empty-unused-memory-level", "3"])
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_moe_per_layer_logging_flag_writes_per_layer_scalars(tmp_path, flag):
+    """--moe-per-layer-logging reaches the logger: each layer's aux loss as its own scalar."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = _logger(tmp_path, ["--moe-per-layer-logging"] if flag else [], io.StringIO())
+    metrics = {"lm loss": 1.0, "lr": 1e-3, "skipped": 0, "elapsed_s": 1.0}
+    logger.log_train(1, {**metrics, "moe_losses": {"load_balancing_loss": [0.0, 2.0]}})
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = sorted(t for t in acc.Tags()["scalars"] if t.startswith("moe/"))
+    assert tags == (
+        ["moe/load_balancing_loss_layer_0", "moe/load_balancing_loss_layer_1"] if flag else []
+    )

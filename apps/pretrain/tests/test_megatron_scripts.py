@@ -103,7 +103,6 @@ REFUSED_ON_CPU = {
         "--activation-func-clamp-value",
         "--glu-linear-offset",
         "--quick-geglu",
-        "--moe-per-layer-logging",
     },
 }
 

@@ -364,12 +364,21 @@ def test_plot_cli_without_matplotlib_prints_an_install_hint(tmp_path, monkeypatc
     assert len(err) == 1 and "pip install" in err[0]
 
 
-def test_moe_aux_losses_are_averaged_per_layer_over_the_interval(tmp_path):
+@pytest.mark.parametrize("per_layer", [False, True], ids=["aggregate", "per-layer"])
+def test_moe_aux_losses_are_averaged_per_layer_over_the_interval(tmp_path, per_layer):
+    """--moe-per-layer-logging adds Megatron's `moe/<name>_layer_<i>` (from 0) scalars."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb, stream = tmp_path / "tb", io.StringIO()
-    logger = _logger(tmp_path, stream, tensorboard_dir=str(tb), log_interval=2, train_iters=2)
+    logger = _logger(
+        tmp_path,
+        stream,
+        tensorboard_dir=str(tb),
+        log_interval=2,
+        train_iters=2,
+        moe_per_layer_logging=per_layer,
+    )
     # layer 1 dense (0), layers 2 and 3 MoE
     per_step = [[0.0, 1.0, 3.0], [0.0, 2.0, 5.0]]
     for i, layers in enumerate(per_step):
@@ -385,4 +394,12 @@ def test_moe_aux_losses_are_averaged_per_layer_over_the_interval(tmp_path):
     acc = EventAccumulator(str(tb))
     acc.Reload()
     assert [e.value for e in acc.Scalars("load_balancing_loss")] == [pytest.approx(2.75)]
-    assert [e.value for e in acc.Scalars("moe/load_balancing_loss_layer_3")] == [4.0]
+    per_layer_tags = sorted(t for t in acc.Tags()["scalars"] if t.startswith("moe/"))
+    if not per_layer:
+        assert per_layer_tags == []
+        return
+    assert per_layer_tags == [
+        f"moe/{n}_layer_{i}" for n in ("load_balancing_loss", "z_loss") for i in range(3)
+    ]
+    assert [e.value for e in acc.Scalars("moe/load_balancing_loss_layer_2")] == [4.0]
+    assert [e.value for e in acc.Scalars("moe/load_balancing_loss_layer_0")] == [0.0]

@@ -74,7 +74,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-func-clamp-value", type=float, default=None)
     g.add_argument("--glu-linear-offset", type=float, default=0.0)
     g.add_argument("--quick-geglu", action="store_true")
-    g.add_argument("--moe-per-layer-logging", action="store_true")
     # Megatron-FSDP (MAPPED onto FSDP2 / the distributed optimizer)
     g.add_argument("--use-megatron-fsdp", action="store_true")
     g.add_argument(
@@ -212,11 +211,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "drop --glu-linear-offset",
     ),
     "quick_geglu": (bool, "quick-GeGLU (gpt-oss) is " + _LATER, "use --swiglu"),
-    "moe_per_layer_logging": (
-        bool,
-        "per-layer MoE loss logging is " + _LATER + " (the summed aux losses are logged)",
-        "drop --moe-per-layer-logging",
-    ),
 }
 
 # The MLA / MTP shape flags mean nothing without those features (refused above); one set to

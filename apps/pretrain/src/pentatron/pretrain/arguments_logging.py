@@ -57,6 +57,11 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
         help="write the validation perplexity to TensorBoard",
     )
     g.add_argument(
+        "--moe-per-layer-logging",
+        action="store_true",
+        help="write each layer's MoE aux losses (moe/<name>_layer_<i>) to TensorBoard / W&B",
+    )
+    g.add_argument(
         "--log-memory-to-tensorboard",
         action="store_true",
         help="write memory scalars to TensorBoard (CUDA: the caching allocator's stats; "
@@ -241,6 +246,7 @@ def logger_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "log_timers_to_tensorboard": args.log_timers_to_tensorboard,
         "log_memory_to_tensorboard": args.log_memory_to_tensorboard,
         "log_validation_ppl_to_tensorboard": args.log_validation_ppl_to_tensorboard,
+        "moe_per_layer_logging": args.moe_per_layer_logging,
         "tensorboard_log_interval": args.tensorboard_log_interval,
         "tensorboard_queue_size": args.tensorboard_queue_size,
         "wandb_init": wandb_init,

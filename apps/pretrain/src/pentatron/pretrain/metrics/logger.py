@@ -74,6 +74,7 @@ class TrainingLogger:
         log_timers_to_tensorboard: bool = True,
         log_memory_to_tensorboard: bool = True,
         log_validation_ppl_to_tensorboard: bool = True,
+        moe_per_layer_logging: bool = False,
         tensorboard_log_interval: int | None = None,
         tensorboard_queue_size: int = 10,
         wandb_init: dict[str, Any] | None = None,
@@ -98,6 +99,7 @@ class TrainingLogger:
         self.log_timers_to_tensorboard = log_timers_to_tensorboard
         self.log_memory_to_tensorboard = log_memory_to_tensorboard
         self.log_validation_ppl_to_tensorboard = log_validation_ppl_to_tensorboard
+        self.moe_per_layer_logging = moe_per_layer_logging
         self.tensorboard_log_interval = tensorboard_log_interval
         self._stats = IntervalStats()
         self._consumed_samples: int | None = None
@@ -157,7 +159,10 @@ class TrainingLogger:
             self._jsonl.write(record)
         if self._scalar_sinks:
             scalars = interval_scalars(
-                record, timers=self.log_timers_to_tensorboard, throughput=self.log_throughput
+                record,
+                timers=self.log_timers_to_tensorboard,
+                throughput=self.log_throughput,
+                moe_per_layer=self.moe_per_layer_logging,
             )
             if every is None:
                 scalars = iteration_scalars(record) + self._memory_scalars(iteration) + scalars

@@ -62,9 +62,13 @@ def iteration_scalars(record: dict[str, Any]) -> list[Scalar]:
     )
 
 
-def interval_scalars(record: dict[str, Any], *, timers: bool, throughput: bool) -> list[Scalar]:
+def interval_scalars(
+    record: dict[str, Any], *, timers: bool, throughput: bool, moe_per_layer: bool = False
+) -> list[Scalar]:
     """Skipped / nan counts and MoE aux losses of an interval record; with `timers` the
-    iteration time and tokens/s, and with `throughput` too the TFLOP/s per device."""
+    iteration time and tokens/s, and with `throughput` too the TFLOP/s per device; with
+    `moe_per_layer` (--moe-per-layer-logging) each layer's aux losses as Megatron tags
+    them, `moe/<name>_layer_<i>` from layer 0 (dense layers 0)."""
     iteration = record["iteration"]
     out = _pick(record, COUNT_TAGS, iteration)
     if timers:
@@ -76,11 +80,12 @@ def interval_scalars(record: dict[str, Any], *, timers: bool, throughput: bool) 
             name = key[len("moe_") : -len("_per_layer")]
             if record.get(f"moe_{name}") is not None:
                 out.append((name, float(record[f"moe_{name}"]), iteration))
-            out += [
-                (f"moe/{name}_layer_{layer}", float(v), iteration)
-                for layer, v in enumerate(value, start=1)
-                if v is not None
-            ]
+            if moe_per_layer:
+                out += [
+                    (f"moe/{name}_layer_{layer}", float(v), iteration)
+                    for layer, v in enumerate(value)
+                    if v is not None
+                ]
     return out
 
 
