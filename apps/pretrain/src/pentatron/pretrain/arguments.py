@@ -43,6 +43,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument(
+        "--use-rope-scaling",
+        action="store_true",
+        help="Llama-3.x RoPE frequency scaling (low/high freq factors 1/4, original length 8192)",
+    )
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument(
         "--no-position-embedding",
         dest="add_position_embedding",
         action="store_false",
@@ -215,6 +221,11 @@ def _moe(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-grouped-gemm", action="store_true")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument(
+        "--moe-shared-expert-gate",
+        action="store_true",
+        help="sigmoid(x @ gate) scales the shared experts' output (Qwen2-MoE)",
+    )
 
 
 def _optimizer(p: argparse.ArgumentParser) -> None:
@@ -331,6 +342,23 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", default=None)
     g.add_argument("--no-save-optim", action="store_true", default=None)
     g.add_argument("--finetune", action="store_true")
+    g.add_argument(
+        "--pretrained-checkpoint",
+        default=None,
+        help="weights to start from when --load holds no checkpoint (iteration 0, fresh "
+        "optimizer): a Hugging Face directory (config.json + *.safetensors) or a checkpoint "
+        "of this app",
+    )
+    g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="model flags not given take their values from --pretrained-checkpoint's config",
+    )
+    g.add_argument(
+        "--export-hf-dir",
+        default=None,
+        help="after training, write the model as a Hugging Face checkpoint to this new directory",
+    )
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not latest")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--ckpt-keep-last", type=int, default=None)
@@ -438,6 +466,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags over `--config` over the defaults; not yet validated (see `validate_args`)."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
+    from_yaml: dict[str, Any] = {}
     if first.config:
-        parser.set_defaults(**yaml_defaults(parser, first.config))
-    return parser.parse_args(argv)
+        from_yaml = yaml_defaults(parser, first.config)
+        parser.set_defaults(**from_yaml)
+    args = parser.parse_args(argv)
+    args.explicit_flags = sorted(set(from_yaml) | _given_on_command_line(argv))
+    return args
+
+
+def _given_on_command_line(argv: list[str] | None) -> set[str]:
+    """The dests of the flags `argv` names (a flag given its default value counts)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = parser.parse_known_args(argv)
+    return set(vars(given)) - {"config"}

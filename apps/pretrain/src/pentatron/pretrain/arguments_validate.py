@@ -622,8 +622,10 @@ def validate_args(
     what runs anyway, and defaults that cannot hold here)."""
     from .arguments_compat import resolve_compat
     from .arguments_logging import validate_logging_args
+    from .hf.config import resolve_pretrained
 
     args.startup_notes = []
+    resolve_pretrained(args)  # --use-checkpoint-args fills model flags before they are checked
     _required(args)
     _megatron_forms(args)
     args.startup_notes += resolve_compat(args)
@@ -659,4 +661,20 @@ def validate_args(
     _compile(args)
     _data_and_checkpoints(args)
     _model_config(args)
+    _hugging_face(args)
     return args
+
+
+def _hugging_face(args: argparse.Namespace) -> None:
+    """--pretrained-checkpoint (a Hugging Face one) agrees with the model flags;
+    --export-hf-dir is a new directory and the model has a Hugging Face form."""
+    from .hf.config import check_against_hf
+    from .hf.export import check_exportable
+    from .hf.load import check_complete
+    from .training.configs import transformer_config
+
+    check_against_hf(args)
+    if args.pretrained_kind == "hf":
+        check_complete(args.pretrained_checkpoint, transformer_config(args))
+    if args.export_hf_dir:
+        check_exportable(args)

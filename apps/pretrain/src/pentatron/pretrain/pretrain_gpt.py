@@ -153,11 +153,14 @@ def pretrain(
     grid = initialize(args)
     resolve_data(args, grid)
     tokenizer = build_tokenizer_for(args)
-    provider = partial(model_provider, args, grid, tokenizer.vocab_size)
+    vocab_size = _model_vocab_size(args, tokenizer)
+    provider = partial(model_provider, args, grid, vocab_size)
     chunks, optimizer, scheduler = setup_model_and_optimizer(provider, args, grid)
     config = configs.transformer_config(args)
     state = TrainState()
     loaded = _load(args, chunks, optimizer, scheduler, grid, config)
+    if loaded is None and args.pretrained_checkpoint:
+        loaded = _load_pretrained(args, chunks, optimizer, scheduler, grid, config)
     if loaded is not None:
         state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
     train_ds, valid_ds, test_ds = datasets_provider(args, tokenizer, _num_samples(args), grid)
@@ -194,6 +197,10 @@ def pretrain(
     try:
         state = trainer.train(state)
         in_step = True
+        if args.export_hf_dir and state.exit_reason == "train-iters":
+            from .hf.export import export_hf
+
+            export_hf(args, chunks, grid, config, vocab_size)
         return state
     except NonFiniteLossError:
         in_step = True
@@ -213,6 +220,49 @@ def _cuda_graphs(args, chunks, capture):
     from pentatron.models.cuda_graphs import LayerCudaGraphs, cuda_capture
 
     return LayerCudaGraphs(chunks, args.cuda_graph_warmup_steps, capture or cuda_capture)
+
+
+def _model_vocab_size(args, tokenizer) -> int:
+    """The tokenizer's vocabulary, or a Hugging Face checkpoint's embedding rows (which may
+    exceed the tokenizer's: Qwen2 pads them) when the run starts from one."""
+    if args.pretrained_kind != "hf":
+        return tokenizer.vocab_size
+    from .hf.config import PretrainedConfigError, hf_config
+
+    rows = hf_config(args.pretrained_checkpoint)[1]
+    if tokenizer.vocab_size > rows:
+        raise PretrainedConfigError(
+            f"--pretrained-checkpoint {args.pretrained_checkpoint}: its {rows} embedding rows "
+            f"are fewer than the tokenizer's {tokenizer.vocab_size} ids; fix: use the "
+            "checkpoint's tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+            "the same directory)"
+        )
+    return rows
+
+
+def _load_pretrained(args, chunks, optimizer, scheduler, grid, config):
+    """--pretrained-checkpoint when --load holds no checkpoint (Megatron's rule): the
+    weights only, iteration 0, fresh optimizer state and schedule."""
+    from .checkpointing import LoadedCheckpoint, load_checkpoint
+
+    path = args.pretrained_checkpoint
+    if dist.get_rank() == 0:
+        print(f"> no checkpoint in --load: starting from --pretrained-checkpoint {path}")
+    if args.pretrained_kind == "hf":
+        from .hf.load import load_hf_weights
+
+        load_hf_weights(path, chunks, optimizer)
+        return LoadedCheckpoint(0, 0)
+    return load_checkpoint(
+        path,
+        chunks,
+        optimizer,
+        scheduler,
+        grid=grid,
+        config=config,
+        finetune=True,
+        strictness=args.dist_ckpt_strictness,
+    )
 
 
 def _load(args, chunks, optimizer, scheduler, grid, config):

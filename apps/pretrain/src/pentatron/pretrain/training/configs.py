@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 
-from pentatron.models import TransformerConfig
+from pentatron.models import RopeScaling, TransformerConfig
 from pentatron.optim import DDPConfig, OptimizerConfig, OptimizerParamScheduler
 from pentatron.parallel_state import ParallelConfig
 from pentatron.pipeline import PipelineConfig
@@ -47,6 +47,10 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        # Megatron's --use-rope-scaling: Llama 3.x's low/high freq factors and original length
+        rope_scaling=RopeScaling(factor=args.rope_scaling_factor)
+        if args.use_rope_scaling
+        else None,
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
@@ -104,6 +108,7 @@ def moe_fields(args: argparse.Namespace) -> dict:
         "moe_grouped_gemm",
         "moe_shared_expert_intermediate_size",
         "moe_shared_expert_overlap",
+        "moe_shared_expert_gate",
         "moe_router_dtype",
         "moe_router_force_load_balancing",
         "expert_model_parallel_size",

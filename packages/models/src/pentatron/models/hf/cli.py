@@ -3,6 +3,9 @@
     pentatron-convert hf-to-pentatron --hf DIR --out DIR --tp N --pp N [--ep N]
     pentatron-convert pentatron-to-hf --ckpt DIR --out DIR
 
+Installed packages may add subcommands (entry point group `pentatron.convert`): with
+pentatron-pretrain, `checkpoint-to-hf` / `hf-to-checkpoint` for the training app's folders.
+
 Pentatron checkpoint (format "pentatron-gpt", version 1): `config.json` (every
 TransformerConfig field, plus vocab_size, max_seq_len, make_vocab_size_divisible_by, tp,
 pp, ep, format, version, hf_extras) and one `tp{t:02d}_pp{p:03d}.safetensors` per (tp, pp)
@@ -158,6 +161,17 @@ def pentatron_to_hf(ckpt: str, out: str) -> None:
         write_json(hf_cfg, tmp / "config.json")
 
 
+PLUGIN_GROUP = "pentatron.convert"
+
+
+def _plugins() -> list[Any]:
+    """Subcommands other installed packages add (entry points of group `pentatron.convert`,
+    each `register(subparsers)`): the training app adds its checkpoint folder's conversions."""
+    from importlib.metadata import entry_points
+
+    return [ep.load() for ep in entry_points(group=PLUGIN_GROUP)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pentatron-convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,14 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("pentatron-to-hf", help="Pentatron checkpoint -> HF safetensors dir")
     b.add_argument("--ckpt", required=True, help="Pentatron checkpoint directory")
     b.add_argument("--out", required=True, help="new output directory")
+    for plugin in _plugins():
+        plugin(sub)
     args = parser.parse_args(argv)
-    if args.command == "hf-to-pentatron":
+    if hasattr(args, "run"):  # a plugin's subcommand: returns what it wrote
+        out = args.run(args)
+    elif args.command == "hf-to-pentatron":
         hf_to_pentatron(
             args.hf, args.out, args.tp, args.pp, args.make_vocab_size_divisible_by, args.ep
         )
+        out = args.out
     else:
         pentatron_to_hf(args.ckpt, args.out)
-    print(json.dumps({"command": args.command, "out": args.out}))
+        out = args.out
+    print(json.dumps({"command": args.command, "out": out}))
     return 0
 
 

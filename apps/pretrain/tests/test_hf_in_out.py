@@ -1,0 +1,450 @@
+"""Hugging Face in, Hugging Face out: --pretrained-checkpoint reads a `save_pretrained`
+directory at any layout, --export-hf-dir writes one `from_pretrained` loads.
+
+References are independent of our code: transformers' own Llama computes the loss of the
+app's first batch, and the logits of the exported model; the app's model computes its own
+logits with its own forward. fp32 throughout.
+
+- --lr 0 at tp2-pp2-dp2 (distributed optimizer): the exported tensors equal the input
+  bitwise; the first iteration's loss equals transformers' on the same batch (rtol 1e-5).
+- --lr 1e-3, 10 steps at tp2-dp2: transformers' logits of the exported model equal the
+  app's final model's (rtol 1e-4 of the largest logit).
+- Bad input: a model flag that contradicts config.json, and a checkpoint missing tensors,
+  fail in flag validation (before any collective) naming the flag / the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _app import train_record
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, GBS = 96, 16, 8
+FLAGS = [
+    "--use-checkpoint-args",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    str(VOCAB),
+    "--seq-length",
+    str(SEQ),
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    str(GBS),
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--transformer-impl",
+    "local",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--seed",
+    "3",
+]
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def _save_llama(path: str, tie: bool = False, max_positions: int = 64) -> None:
+    """A 4-layer GQA Llama (untied unless `tie`), random weights, `save_pretrained`."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(11)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so a dropped or transposed norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _save_moe(path: str, arch: str) -> None:
+    """A 4-layer Mixtral or Qwen2-MoE (4 experts, top-2; Qwen2-MoE: a gated shared expert
+    and q/k/v biases), random weights, `save_pretrained`."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        config = transformers.Qwen2MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            norm_topk_prob=False,
+            **common,
+        )
+        cls = transformers.Qwen2MoeForCausalLM
+    torch.manual_seed(12)
+    model = cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _argv(hf: str, *extra: str) -> list[str]:
+    return ["--pretrained-checkpoint", hf, *FLAGS, *extra]
+
+
+def _first_batch(argv: list[str], world: int) -> dict[str, torch.Tensor]:
+    """The app's first global batch (samples 0..GBS-1 of the train split, whatever the
+    layout), built by the app's own dataset code in this process."""
+    from pentatron.pretrain.arguments import parse_args, validate_args
+    from pentatron.pretrain.pretrain_gpt import (
+        _num_samples,
+        build_tokenizer_for,
+        datasets_provider,
+    )
+
+    args = validate_args(parse_args(argv), world)
+    train, _, _ = datasets_provider(
+        args, build_tokenizer_for(args), _num_samples(args), types.SimpleNamespace(host_group=None)
+    )
+    samples = [train[i] for i in range(GBS)]
+    return {k: torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask")}
+
+
+def _transformers_loss(hf_dir: str, batch: dict[str, torch.Tensor]) -> float:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"]).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    mask = batch["loss_mask"].flatten().float()
+    return float((ce * mask).sum() / mask.sum())
+
+
+def _safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            for k, v in load_file(os.path.join(path, f)).items():
+                assert k not in out, f"{k} written twice"
+                out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_lr0_round_trip_is_bitwise_and_first_loss_is_transformers(distributed, tmp_path, tie):
+    hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    _save_llama(hf, tie)
+    argv = _argv(hf, *TP2_PP2, "--use-distributed-optimizer", "--lr", "0", "--train-iters", "1")
+    per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
+    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
+    assert len(losses) == 4  # the last stage's tp2 x dp2 ranks
+    want = _transformers_loss(hf, _first_batch(argv, 8))
+    for loss in losses:
+        assert loss == pytest.approx(want, rel=1e-5)
+    given, exported = _safetensors(hf), _safetensors(out)
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        assert torch.equal(exported[name], tensor), name
+    # transformers reads the export as the model it was
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert again.config.tie_word_embeddings is tie and again.config.num_key_value_heads == 2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_lr0_round_trip_at_ep2(distributed, tmp_path, arch):
+    """MoE at tp2-pp2-dp2 with ep2 (experts split over the dp ranks of a stage)."""
+    hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    _save_moe(hf, arch)
+    argv = _argv(hf, *TP2_PP2, "--expert-model-parallel-size", "2", "--sequence-parallel")
+    argv += ["--lr", "0"]
+    argv += ["--train-iters", "1", "--use-distributed-optimizer"]
+    per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
+    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
+    assert len(losses) == 4
+    want = _transformers_loss(hf, _first_batch(argv, 8))
+    for loss in losses:
+        assert loss == pytest.approx(want, rel=1e-5)
+    given, exported = _safetensors(hf), _safetensors(out)
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_fsdp2_run_starts_from_the_hf_weights(distributed, tmp_path):
+    """With FSDP2 each dp rank keeps only its rows of the shard it read (tp2 x dp2 here)."""
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    argv = _argv(hf, "--tensor-model-parallel-size", "2", "--use-torch-fsdp2")
+    argv += ["--lr", "0", "--train-iters", "1"]
+    per_rank = distributed.run(4, train_record, argv)
+    want = _transformers_loss(hf, _first_batch(argv, 4))
+    assert all(r["losses"][0] == pytest.approx(want, rel=1e-5) for r in per_rank)
+    with pytest.raises(ValueError, match="checkpoint-to-hf"):
+        _validate([*argv, "--export-hf-dir", str(tmp_path / "out")], 4)
+
+
+def _train_and_logits(argv: list[str], ids: torch.Tensor):
+    """Train with the app; then the final model's logits of `ids`, by the app's forward."""
+    import torch.distributed as dist
+
+    from pentatron.parallel_state import destroy_model_parallel
+    from pentatron.pretrain.arguments import parse_args, validate_args
+    from pentatron.pretrain.pretrain_gpt import default_logger, pretrain
+
+    kept = {}
+
+    def logger(args, grid, chunks):
+        kept["chunks"] = chunks
+        return default_logger(args, grid, chunks)
+
+    args = validate_args(parse_args(argv), dist.get_world_size())
+    try:
+        state = pretrain(args, logger_factory=logger)
+        (chunk,) = kept["chunks"]
+        model = chunk.module
+        model.eval()
+        with torch.no_grad():
+            pos = torch.arange(ids.size(1)).expand_as(ids)
+            logits = model(ids, pos, gather_logits=True)[..., :VOCAB]
+    finally:
+        destroy_model_parallel()
+    return state.losses, logits
+
+
+def test_trained_model_exports_with_the_same_logits(distributed, tmp_path):
+    hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    _save_llama(hf)
+    argv = _argv(hf, "--tensor-model-parallel-size", "2", "--lr", "1e-3", "--train-iters", "10")
+    argv += ["--export-hf-dir", out]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    results = distributed.run(4, _train_and_logits, argv, ids)  # tp2 x dp2
+    losses, app_logits = results[0]
+    assert losses[-1] < losses[0]  # it trained
+    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = model(input_ids=ids).logits
+    scale = hf_logits.abs().max()
+    torch.testing.assert_close(app_logits / scale, hf_logits / scale, rtol=0, atol=1e-4)
+    given = _safetensors(hf)
+    changed = [k for k, v in _safetensors(out).items() if not torch.equal(v, given[k])]
+    assert len(changed) == len(given)  # every tensor trained, so every one was exported
+
+
+def _validate(argv: list[str], world: int = 1):
+    from pentatron.pretrain.arguments import parse_args, validate_args
+
+    return validate_args(parse_args(argv), world)
+
+
+def test_use_checkpoint_args_fills_only_the_flags_not_given(tmp_path):
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    args = _validate(_argv(hf, "--lr", "1e-3", "--train-iters", "2"))
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (4, 32, 4)
+    assert (args.num_query_groups, args.ffn_hidden_size, args.norm_epsilon) == (2, 64, 1e-6)
+    assert args.normalization == "RMSNorm" and args.swiglu and not args.add_bias_linear
+    assert args.position_embedding_type == "rope" and args.untie_embeddings_and_output_weights
+    assert args.max_position_embeddings == 64
+    # a flag given keeps its value, and then must agree with config.json
+    with pytest.raises(ValueError, match=r"^--num-layers: .*num_layers=2.*num_layers=4"):
+        _validate(_argv(hf, "--lr", "1e-3", "--train-iters", "2", "--num-layers", "2"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--normalization", "LayerNorm"], "--normalization"),
+        (["--num-query-groups", "4"], "--num-query-groups"),
+        (["--rotary-base", "500000"], "--rotary-base"),
+        (["--ffn-hidden-size", "128"], "--ffn-hidden-size"),
+    ],
+)
+def test_a_contradicting_model_flag_fails_in_validation(tmp_path, flags, named):
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    model = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
+    model += ["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64"]
+    model += ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu"]
+    model += ["--disable-bias-linear", "--position-embedding-type", "rope"]
+    model += ["--untie-embeddings-and-output-weights", "--max-position-embeddings", "64"]
+    argv = ["--pretrained-checkpoint", hf, *FLAGS[1:], *model, "--lr", "1e-3"]
+    argv += ["--train-iters", "2"]
+    assert _validate(argv).num_layers == 4  # the flags as given agree with config.json
+    with pytest.raises(ValueError, match="^" + re.escape(named) + "[ :]") as error:
+        _validate([*argv, *flags])
+    assert "\n" not in str(error.value) and "--use-checkpoint-args" in str(error.value)
+
+
+def test_a_partial_checkpoint_fails_in_validation_naming_the_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    (file,) = [f for f in os.listdir(hf) if f.endswith(".safetensors")]
+    tensors = load_file(os.path.join(hf, file))
+    del tensors["model.layers.2.mlp.up_proj.weight"], tensors["lm_head.weight"]
+    save_file(tensors, os.path.join(hf, file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lack 2 tensors") as error:
+        _validate(_argv(hf, "--lr", "1e-3", "--train-iters", "2"))
+    assert "lm_head.weight" in str(error.value)
+    assert "model.layers.2.mlp.up_proj.weight" in str(error.value)
+
+
+def test_export_dir_must_be_new_and_pretrained_must_be_a_checkpoint(tmp_path):
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("x")
+    base = _argv(hf, "--lr", "1e-3", "--train-iters", "2")
+    with pytest.raises(ValueError, match=r"^--export-hf-dir=.*not an empty directory"):
+        _validate([*base, "--export-hf-dir", str(tmp_path / "used")])
+    with pytest.raises(ValueError, match="neither a Hugging Face directory"):
+        _validate(_argv(str(tmp_path / "used"), "--lr", "1e-3", "--train-iters", "2"))
+    with pytest.raises(ValueError, match=r"^--use-checkpoint-args: "):
+        _validate([*FLAGS, "--lr", "1e-3"])
+
+
+def _readme_commands() -> list[str]:
+    readme = Path(__file__).resolve().parents[3] / "README.md"
+    if not readme.is_file():
+        pytest.skip("the README is not beside these tests (a standalone wheel session)")
+    text = readme.read_text()
+    block = text.split("<!-- hf-continue -->", 1)[1].split("```", 2)[1]
+    return [line for line in block.strip().splitlines() if line.strip()]
+
+
+def test_readme_continue_pretraining_commands_run(tmp_path):
+    """The README's two commands, as written, on a tiny Llama with a tokenizer.json."""
+    from _tokenizer_files import LINES, hf_word_level
+
+    _save_llama(str(tmp_path / "my-llama"), max_positions=512)
+    hf_word_level(tmp_path / "my-llama")
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in LINES))
+    commands = _readme_commands()
+    assert len(commands) == 2
+    bin_dir = os.path.join(sys.prefix, "bin") + os.sep
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for command in commands:
+        argv = shlex.split(command.replace(".venv/bin/", bin_dir))
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "my-llama-continued"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("the quick fox")["input_ids"][0] == 1  # <s>, from the copied files
+    assert model.dtype == torch.bfloat16  # --bf16: the weights as trained
+    before = _safetensors(str(tmp_path / "my-llama"))
+    after = _safetensors(str(out))
+    assert sorted(after) == sorted(before)
+    assert any(not torch.equal(after[k], before[k].to(after[k].dtype)) for k in before)
+
+
+def _convert(*argv: str) -> None:
+    from pentatron.models.hf.cli import main
+
+    assert main(list(argv)) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_checkpoint_converts_offline_to_what_the_run_exported(distributed, tmp_path, arch):
+    """A tp2-pp2-dp2 run (ep2 for Mixtral) saves its checkpoint and exports; the offline
+    conversion of the checkpoint (DCP read of the global tensors, one layer at a time)
+    equals the export (all-gathered from the live shards) bitwise, config.json too."""
+    hf, out, ckpt, conv = (str(tmp_path / n) for n in ("hf", "out", "ckpt", "conv"))
+    _save_llama(hf) if arch == "llama" else _save_moe(hf, arch)
+    moe = ["--expert-model-parallel-size", "2", "--sequence-parallel"] if arch != "llama" else []
+    argv = _argv(hf, *TP2_PP2, *moe, "--lr", "1e-3", "--train-iters", "3", "--save", ckpt)
+    distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
+    _convert("checkpoint-to-hf", "--load", ckpt, "--out", conv)
+    exported, converted = _safetensors(out), _safetensors(conv)
+    assert sorted(converted) == sorted(exported)
+    for name, tensor in exported.items():
+        assert torch.equal(converted[name], tensor), name
+    assert json.loads((tmp_path / "conv" / "config.json").read_text()) == json.loads(
+        (tmp_path / "out" / "config.json").read_text()
+    )
+
+
+def test_hf_converted_to_a_checkpoint_starts_a_run_like_the_hf_directory(distributed, tmp_path):
+    """hf-to-checkpoint writes iteration 0 of an app checkpoint; a run started from it
+    (--pretrained-checkpoint, model flags from its saved args) at tp2-pp2-dp2 with --lr 0
+    has transformers' first loss and exports the Hugging Face tensors back bitwise."""
+    hf, ckpt, out = (str(tmp_path / n) for n in ("hf", "ckpt", "out"))
+    _save_llama(hf)
+    _convert("hf-to-checkpoint", "--hf", hf, "--save", ckpt)
+    argv = ["--pretrained-checkpoint", ckpt, *FLAGS, *TP2_PP2, "--lr", "0", "--train-iters", "1"]
+    per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
+    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
+    want = _transformers_loss(hf, _first_batch(argv, 8))
+    assert len(losses) == 4 and all(x == pytest.approx(want, rel=1e-5) for x in losses)
+    given, exported = _safetensors(hf), _safetensors(out)
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_llama3_rope_scaling_maps_to_megatrons_flags(tmp_path):
+    """Llama 3.1's rope_scaling is --use-rope-scaling --rope-scaling-factor F; other
+    scaling constants than Megatron's fixed ones are refused by name."""
+    from pentatron.pretrain.training.configs import transformer_config
+
+    hf = tmp_path / "hf"
+    _save_llama(str(hf), max_positions=256)
+    config = json.loads((hf / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0}
+    scaling |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {**scaling, "rope_theta": 500000.0}
+    (hf / "config.json").write_text(json.dumps(config))
+    args = _validate(_argv(str(hf), "--lr", "1e-3", "--train-iters", "2"))
+    assert args.use_rope_scaling and args.rope_scaling_factor == 32.0
+    assert args.rotary_base == 500000.0
+    rope = transformer_config(args).rope_scaling
+    assert (rope.factor, rope.high_freq_factor, rope.original_max_position_embeddings) == (
+        32.0,
+        4.0,
+        8192,
+    )
+    config["rope_parameters"]["high_freq_factor"] = 2.0
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        _validate(_argv(str(hf), "--lr", "1e-3", "--train-iters", "2"))
