@@ -250,16 +250,19 @@ def _train_and_logits(argv: list[str], ids: torch.Tensor):
     return state.losses, logits
 
 
-def test_trained_model_exports_with_the_same_logits(distributed, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
+def test_trained_model_exports_with_the_same_logits(distributed, tmp_path, arch):
+    """10 steps at tp2-dp2 (MoE: + SP, ep2); the app's final model vs its export."""
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
-    _save_llama(hf)
-    argv = _argv(hf, "--tensor-model-parallel-size", "2", "--lr", "1e-3", "--train-iters", "10")
-    argv += ["--export-hf-dir", out]
+    _save_llama(hf) if arch == "llama" else _save_moe(hf, arch)
+    moe = ["--expert-model-parallel-size", "2", "--sequence-parallel"] if arch != "llama" else []
+    argv = _argv(hf, "--tensor-model-parallel-size", "2", *moe, "--lr", "1e-3")
+    argv += ["--train-iters", "10", "--export-hf-dir", out]
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     results = distributed.run(4, _train_and_logits, argv, ids)  # tp2 x dp2
     losses, app_logits = results[0]
     assert losses[-1] < losses[0]  # it trained
-    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         hf_logits = model(input_ids=ids).logits
     scale = hf_logits.abs().max()
@@ -267,6 +270,38 @@ def test_trained_model_exports_with_the_same_logits(distributed, tmp_path):
     given = _safetensors(hf)
     changed = [k for k, v in _safetensors(out).items() if not torch.equal(v, given[k])]
     assert len(changed) == len(given)  # every tensor trained, so every one was exported
+
+
+def test_vpp_and_context_parallel_runs_start_from_the_hf_weights(distributed, tmp_path):
+    """tp2 x pp2 with 2 virtual stages x cp2 (world 8): transformers' first loss."""
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    argv = _argv(hf, *TP2_PP2, "--num-layers-per-virtual-pipeline-stage", "1")
+    argv += ["--context-parallel-size", "2", "--lr", "0", "--train-iters", "1"]
+    per_rank = distributed.run(8, train_record, argv)
+    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
+    want = _transformers_loss(hf, _first_batch(argv, 8))
+    assert len(losses) == 4 and all(x == pytest.approx(want, rel=1e-5) for x in losses)
+
+
+def _resumed(root: str, argv: list[str]) -> tuple[dict, dict, dict]:
+    ckpt = os.path.join(root, "ckpt")
+    full = train_record(argv)
+    with_ckpt = [*argv, "--save", ckpt, "--load", ckpt, "--save-interval", "2"]
+    first = train_record([*with_ckpt, "--exit-interval", "2"])
+    second = train_record(with_ckpt)  # --load now holds this run's checkpoint: it wins
+    return full, first, second
+
+
+def test_a_rerun_resumes_from_load_not_from_the_pretrained_weights(distributed, tmp_path):
+    """Megatron's rule: --pretrained-checkpoint only while --load holds no checkpoint."""
+    hf = str(tmp_path / "hf")
+    _save_llama(hf)
+    argv = _argv(hf, "--lr", "1e-3", "--train-iters", "4")
+    for full, first, second in distributed.run(2, _resumed, str(tmp_path), argv):
+        assert first["losses"] == full["losses"][:2]
+        assert second["losses"] == full["losses"][2:]  # bitwise: weights, Adam, schedule
+        assert second["grad_norms"] == full["grad_norms"][2:]
 
 
 def _validate(argv: list[str], world: int = 1):
