@@ -222,6 +222,24 @@ def test_fsdp2_run_starts_from_the_hf_weights(distributed, tmp_path):
         _validate([*argv, "--export-hf-dir", str(tmp_path / "out")], 4)
 
 
+def _app_logits(model, grid, ids: torch.Tensor) -> torch.Tensor | None:
+    """The app model's logits `[b, s, V]` of `ids` (None off the last stage): with pp2 the
+    first stage's hidden states go to the second by a plain send / recv."""
+    import torch.distributed as dist
+
+    pos = torch.arange(ids.size(1)).expand_as(ids)
+    if grid.size("pp") == 1:
+        return model(ids, pos, gather_logits=True)[..., :VOCAB]
+    first, last = grid.ranks("pp")
+    if grid.rank("pp") == 0:
+        dist.send(model(ids, pos).contiguous(), dst=last)  # [s, b, h]
+        return None
+    hidden = torch.empty(ids.size(1), ids.size(0), model.config.hidden_size)
+    dist.recv(hidden, src=first)
+    model.set_input_tensor(hidden)
+    return model(ids, pos, gather_logits=True)[..., :VOCAB]
+
+
 def _train_and_logits(argv: list[str], ids: torch.Tensor):
     """Train with the app; then the final model's logits of `ids`, by the app's forward."""
     import torch.distributed as dist
@@ -233,18 +251,16 @@ def _train_and_logits(argv: list[str], ids: torch.Tensor):
     kept = {}
 
     def logger(args, grid, chunks):
-        kept["chunks"] = chunks
+        kept.update(grid=grid, chunks=chunks)
         return default_logger(args, grid, chunks)
 
     args = validate_args(parse_args(argv), dist.get_world_size())
     try:
         state = pretrain(args, logger_factory=logger)
         (chunk,) = kept["chunks"]
-        model = chunk.module
-        model.eval()
+        chunk.module.eval()
         with torch.no_grad():
-            pos = torch.arange(ids.size(1)).expand_as(ids)
-            logits = model(ids, pos, gather_logits=True)[..., :VOCAB]
+            logits = _app_logits(chunk.module, kept["grid"], ids)
     finally:
         destroy_model_parallel()
     return state.losses, logits
@@ -252,15 +268,19 @@ def _train_and_logits(argv: list[str], ids: torch.Tensor):
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
 def test_trained_model_exports_with_the_same_logits(distributed, tmp_path, arch):
-    """10 steps at tp2-dp2 (MoE: + SP, ep2); the app's final model vs its export."""
+    """10 steps; Llama at tp2-pp2-dp2, MoE at tp2-dp2 with SP and ep2; the app's final
+    model (its own forward) vs transformers on its export."""
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
     _save_llama(hf) if arch == "llama" else _save_moe(hf, arch)
-    moe = ["--expert-model-parallel-size", "2", "--sequence-parallel"] if arch != "llama" else []
-    argv = _argv(hf, "--tensor-model-parallel-size", "2", *moe, "--lr", "1e-3")
-    argv += ["--train-iters", "10", "--export-hf-dir", out]
+    if arch == "llama":
+        world, layout = 8, TP2_PP2
+    else:
+        world, layout = 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+        layout += ["--expert-model-parallel-size", "2"]
+    argv = _argv(hf, *layout, "--lr", "1e-3", "--train-iters", "10", "--export-hf-dir", out)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    results = distributed.run(4, _train_and_logits, argv, ids)  # tp2 x dp2
-    losses, app_logits = results[0]
+    results = distributed.run(world, _train_and_logits, argv, ids)
+    losses, app_logits = next(r for r in results if r[1] is not None)  # a last-stage rank
     assert losses[-1] < losses[0]  # it trained
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
