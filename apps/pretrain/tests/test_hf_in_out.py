@@ -169,21 +169,31 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assert_first_loss(per_rank: list[dict], hf: str, argv: list[str], ranks: int) -> None:
+    """Every last-stage rank (`ranks` of them) logged transformers' loss of the batch."""
+    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
+    assert len(losses) == ranks
+    want = _transformers_loss(hf, _first_batch(argv, len(per_rank)))
+    for loss in losses:
+        assert loss == pytest.approx(want, rel=1e-5)
+
+
+def _assert_same_tensors(expected: str, got: str) -> None:
+    """The safetensors of two directories hold the same names and bitwise the same values."""
+    given, exported = _safetensors(expected), _safetensors(got)
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        assert torch.equal(exported[name], tensor), name
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_lr0_round_trip_is_bitwise_and_first_loss_is_transformers(distributed, tmp_path, tie):
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
     _save_llama(hf, tie)
     argv = _argv(hf, *TP2_PP2, "--use-distributed-optimizer", "--lr", "0", "--train-iters", "1")
     per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
-    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
-    assert len(losses) == 4  # the last stage's tp2 x dp2 ranks
-    want = _transformers_loss(hf, _first_batch(argv, 8))
-    for loss in losses:
-        assert loss == pytest.approx(want, rel=1e-5)
-    given, exported = _safetensors(hf), _safetensors(out)
-    assert sorted(exported) == sorted(given)
-    for name, tensor in given.items():
-        assert torch.equal(exported[name], tensor), name
+    _assert_first_loss(per_rank, hf, argv, 4)  # the last stage's tp2 x dp2 ranks
+    _assert_same_tensors(hf, out)
     # transformers reads the export as the model it was
     again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert again.config.tie_word_embeddings is tie and again.config.num_key_value_heads == 2
@@ -198,15 +208,8 @@ def test_moe_lr0_round_trip_at_ep2(distributed, tmp_path, arch):
     argv += ["--lr", "0"]
     argv += ["--train-iters", "1", "--use-distributed-optimizer"]
     per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
-    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
-    assert len(losses) == 4
-    want = _transformers_loss(hf, _first_batch(argv, 8))
-    for loss in losses:
-        assert loss == pytest.approx(want, rel=1e-5)
-    given, exported = _safetensors(hf), _safetensors(out)
-    assert sorted(exported) == sorted(given)
-    for name, tensor in given.items():
-        assert torch.equal(exported[name], tensor), name
+    _assert_first_loss(per_rank, hf, argv, 4)
+    _assert_same_tensors(hf, out)
 
 
 def test_fsdp2_run_starts_from_the_hf_weights(distributed, tmp_path):
@@ -215,9 +218,7 @@ def test_fsdp2_run_starts_from_the_hf_weights(distributed, tmp_path):
     _save_llama(hf)
     argv = _argv(hf, "--tensor-model-parallel-size", "2", "--use-torch-fsdp2")
     argv += ["--lr", "0", "--train-iters", "1"]
-    per_rank = distributed.run(4, train_record, argv)
-    want = _transformers_loss(hf, _first_batch(argv, 4))
-    assert all(r["losses"][0] == pytest.approx(want, rel=1e-5) for r in per_rank)
+    _assert_first_loss(distributed.run(4, train_record, argv), hf, argv, 4)
     with pytest.raises(ValueError, match="checkpoint-to-hf"):
         _validate([*argv, "--export-hf-dir", str(tmp_path / "out")], 4)
 
@@ -299,9 +300,7 @@ def test_vpp_and_context_parallel_runs_start_from_the_hf_weights(distributed, tm
     argv = _argv(hf, *TP2_PP2, "--num-layers-per-virtual-pipeline-stage", "1")
     argv += ["--context-parallel-size", "2", "--lr", "0", "--train-iters", "1"]
     per_rank = distributed.run(8, train_record, argv)
-    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
-    want = _transformers_loss(hf, _first_batch(argv, 8))
-    assert len(losses) == 4 and all(x == pytest.approx(want, rel=1e-5) for x in losses)
+    _assert_first_loss(per_rank, hf, argv, 4)
 
 
 def _resumed(root: str, argv: list[str]) -> tuple[dict, dict, dict]:
@@ -450,10 +449,7 @@ def test_checkpoint_converts_offline_to_what_the_run_exported(distributed, tmp_p
     argv = _argv(hf, *TP2_PP2, *moe, "--lr", "1e-3", "--train-iters", "3", "--save", ckpt)
     distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
     _convert("checkpoint-to-hf", "--load", ckpt, "--out", conv)
-    exported, converted = _safetensors(out), _safetensors(conv)
-    assert sorted(converted) == sorted(exported)
-    for name, tensor in exported.items():
-        assert torch.equal(converted[name], tensor), name
+    _assert_same_tensors(out, conv)
     assert json.loads((tmp_path / "conv" / "config.json").read_text()) == json.loads(
         (tmp_path / "out" / "config.json").read_text()
     )
@@ -468,13 +464,8 @@ def test_hf_converted_to_a_checkpoint_starts_a_run_like_the_hf_directory(distrib
     _convert("hf-to-checkpoint", "--hf", hf, "--save", ckpt)
     argv = ["--pretrained-checkpoint", ckpt, *FLAGS, *TP2_PP2, "--lr", "0", "--train-iters", "1"]
     per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
-    losses = [r["losses"][0] for r in per_rank if r["losses"][0] is not None]
-    want = _transformers_loss(hf, _first_batch(argv, 8))
-    assert len(losses) == 4 and all(x == pytest.approx(want, rel=1e-5) for x in losses)
-    given, exported = _safetensors(hf), _safetensors(out)
-    assert sorted(exported) == sorted(given)
-    for name, tensor in given.items():
-        assert torch.equal(exported[name], tensor), name
+    _assert_first_loss(per_rank, hf, argv, 4)
+    _assert_same_tensors(hf, out)
 
 
 def test_llama3_rope_scaling_maps_to_megatrons_flags(tmp_path):

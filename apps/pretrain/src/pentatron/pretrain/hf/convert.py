@@ -22,7 +22,6 @@ import argparse
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from pentatron.models.hf import PER_EXPERT, config_to_hf_dict, full_to_hf
-from pentatron.models.hf.safetensors_io import INDEX, save_tensors, write_json
+from pentatron.models.hf.safetensors_io import INDEX, atomic_dir, save_tensors, write_json
 from pentatron.models.hf.state_map import LM_HEAD
 from pentatron.models.sharding import param_sharding, state_tensors
 
@@ -45,23 +44,6 @@ from ..checkpointing.model_state import PREFIX
 from ..checkpointing.rectangles import VOCAB_PADDING, param_rects, shard_info
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-@contextmanager
-def _new_dir(out: str) -> Iterator[Path]:
-    """A temporary sibling of `out` that becomes `out` on success (`out` must be new)."""
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; fix: choose a new directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            target.rmdir()
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextmanager
@@ -127,7 +109,7 @@ def checkpoint_to_hf(load_dir: str, out: str, iteration: int | None = None) -> s
     keys = sorted(k for k in meta if k.startswith(PREFIX))
     groups = sorted({_group(k) for k in keys})
     weight_map: dict[str, str] = {}
-    with _new_dir(out) as tmp:
+    with atomic_dir(out) as tmp:
         for i, group in enumerate(groups):
             want = {
                 k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
@@ -183,7 +165,7 @@ def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
         for rect in param_rects(name, tuple(tensor.shape), info):
             sd[PREFIX + rect.key] = tensor[rect.local].contiguous()
     args = {**implied_flags(hf_dir), "make_vocab_size_divisible_by": 1}
-    with _new_dir(save_dir) as tmp:
+    with atomic_dir(save_dir) as tmp:
         path = layout.iter_dir(str(tmp), 0)
         with _single_process():
             dcp.save(sd, storage_writer=FileSystemWriter(path), no_dist=True)

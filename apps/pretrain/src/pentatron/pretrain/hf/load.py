@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from pentatron.models.hf import FUSED, PER_EXPERT, SafetensorsDirSource, read_shard
+from pentatron.models.hf import FUSED, PER_EXPERT, SafetensorsDirSource, read_param_shard
 from pentatron.models.hf.state_map import hf_keys_expected
-from pentatron.models.sharding import global_param_name, state_tensors
+from pentatron.models.sharding import state_tensors
 from pentatron.optim import FSDP2DataParallel, FSDP2Optimizer, local_tensor
 
 from .config import PretrainedConfigError
@@ -50,24 +50,6 @@ def check_complete(path: str, config: Any) -> None:
         )
 
 
-def _read(model: Any, local: str, src: SafetensorsDirSource) -> torch.Tensor:
-    """This rank's tp (and expert) shard of `model`'s tensor `local`, from the files."""
-    par = model.parallel
-    return read_shard(
-        global_param_name(local, model.layer_offset),
-        src,
-        model.config,
-        tp_rank=par.tp_rank,
-        tp_size=par.tp_size,
-        vocab_size=model.vocab_size,
-        padded_vocab_size=model.padded_vocab_size,
-        ep_rank=par.rank("ep"),
-        ep_size=par.ep_size,
-        etp_rank=par.rank("etp"),
-        etp_size=par.etp_size,
-    )
-
-
 @torch.no_grad()
 def load_hf_weights(path: str | os.PathLike, chunks: Sequence[Any], optimizer: Any) -> None:
     """Fill every parameter (and persistent buffer) of this rank's `chunks` from `path`."""
@@ -77,7 +59,7 @@ def load_hf_weights(path: str | os.PathLike, chunks: Sequence[Any], optimizer: A
             fsdp2 = isinstance(chunk, FSDP2DataParallel)
             params = {id(p) for p in model.parameters()}
             for local, tensor in state_tensors(model, keep_vars=True).items():
-                part = _read(model, local, src)
+                part = read_param_shard(model, local, src)
                 if fsdp2 and id(tensor) in params:  # this rank holds rows [lo, hi) of the shard
                     lo, hi = chunk.held_rows(tensor)
                     part = part[lo:hi]

@@ -15,7 +15,14 @@ safetensors checkpoint directory works without it. CLI: `pentatron-convert` (see
 """
 
 from .config_map import HFConfigError, config_from_hf, config_to_hf, config_to_hf_dict
-from .convert import from_hf, hf_shard_state_dict, load_from_source, load_hf_checkpoint_shard, to_hf
+from .convert import (
+    from_hf,
+    hf_shard_state_dict,
+    load_from_source,
+    load_hf_checkpoint_shard,
+    read_param_shard,
+    to_hf,
+)
 from .moe_map import FUSED, PER_EXPERT, default_expert_layout, hf_arch
 from .safetensors_io import SafetensorsDirSource
 from .state_map import DictSource, TensorSource, chunk_param_names, full_to_hf, read_shard
@@ -38,6 +45,7 @@ __all__ = [
     "hf_shard_state_dict",
     "load_from_source",
     "load_hf_checkpoint_shard",
+    "read_param_shard",
     "read_shard",
     "to_hf",
 ]

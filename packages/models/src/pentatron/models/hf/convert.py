@@ -58,25 +58,29 @@ def _sizes(grid: ProcessGrid | None) -> dict[str, Any]:
     }
 
 
+def read_param_shard(model: GPTModel, local: str, src: TensorSource) -> torch.Tensor:
+    """This rank's tp (and ep / etp) shard of `model`'s tensor `local`, read from `src`."""
+    par = model.parallel
+    return read_shard(
+        global_param_name(local, model.layer_offset),
+        src,
+        model.config,
+        tp_rank=par.tp_rank,
+        tp_size=par.tp_size,
+        vocab_size=model.vocab_size,
+        padded_vocab_size=model.padded_vocab_size,
+        ep_rank=par.rank("ep"),
+        ep_size=par.ep_size,
+        etp_rank=par.rank("etp"),
+        etp_size=par.etp_size,
+    )
+
+
 @torch.no_grad()
 def load_from_source(model: GPTModel, src: TensorSource) -> None:
     """Fill every parameter of `model` (one chunk, any tp rank) from HF tensors in `src`."""
-    par = model.parallel
     for local, param in state_tensors(model, keep_vars=True).items():
-        name = global_param_name(local, model.layer_offset)
-        part = read_shard(
-            name,
-            src,
-            model.config,
-            tp_rank=par.tp_rank,
-            tp_size=par.tp_size,
-            vocab_size=model.vocab_size,
-            padded_vocab_size=model.padded_vocab_size,
-            ep_rank=par.rank("ep"),
-            ep_size=par.ep_size,
-            etp_rank=par.rank("etp"),
-            etp_size=par.etp_size,
-        )
+        part = read_param_shard(model, local, src)
         if part.shape != param.shape:
             raise ValueError(
                 f"{local}: the Hugging Face tensors give shape {tuple(part.shape)}, the model "
