@@ -43,6 +43,8 @@ SCALE = {
     "--moe-shared-expert-intermediate-size": ["32"],
     "--moe-router-num-groups": ["2"],
     "--moe-router-group-topk": ["1"],
+    "--q-lora-rank": ["32"],
+    "--kv-lora-rank": ["16"],
     "--train-iters": ["2"],
     "--eval-iters": ["1"],
     "--log-interval": ["1"],
@@ -76,11 +78,8 @@ REFUSED_ON_CPU = {
     "examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh": _MFSDP_BUFFERS
     | {
         "--moe-token-dispatcher-type",  # flex: DeepEP / HybridEP kernels
-        "--multi-latent-attention",
         "--mtp-num-layers",
-        "--q-lora-rank",
-        "--kv-lora-rank",
-        "--rotary-scaling-factor",
+        "--rotary-scaling-factor",  # YaRN
         "--mscale-all-dim",
         "--megatron-fsdp-main-grads-dtype",  # bf16 main grads
         "--wandb-project",
@@ -298,8 +297,9 @@ def test_kernel_choices_are_named_at_start_up():
 @pytest.mark.parametrize(
     "flags, field",
     [
-        (["--multi-latent-attention"], "--multi-latent-attention"),
-        (["--kv-lora-rank", "512"], "--kv-lora-rank"),
+        (["--multi-latent-attention"], "--position-embedding-type"),  # MLA needs RoPE
+        (["--kv-lora-rank", "512"], "--kv-lora-rank"),  # an MLA shape without MLA
+        (["--rotary-scaling-factor", "40"], "--rotary-scaling-factor"),  # YaRN
         (["--mtp-num-layers", "1"], "--mtp-num-layers"),
         (["--softmax-type", "learnable"], "--softmax-type"),
         (["--window-size", "127,0"], "--window-size"),

@@ -62,7 +62,8 @@ def microbatches(
 def build_reference(config: TransformerConfig, seed: int = 0, **kwargs) -> GPTModel:
     torch.manual_seed(seed)
     kwargs.setdefault("make_vocab_size_divisible_by", DIVISIBLE_BY)
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, S, **kwargs)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=config.multi_latent_attention)
+    return GPTModel(config, spec, VOCAB, S, **kwargs)
 
 
 def reference_run(config: TransformerConfig, data, **kwargs):

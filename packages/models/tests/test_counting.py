@@ -318,3 +318,60 @@ def test_mixtral_8x7b():
     assert flops_per_token(config, s, V) == pytest.approx(per_token, rel=1e-12)
     got = num_floating_point_operations(config, s, V, batch_size=1)
     assert got == pytest.approx(s * per_token, rel=1e-12)
+
+
+MLA_CONFIGS = [
+    dict(q_lora_rank=24, qk_layernorm=True),
+    dict(q_lora_rank=None, qk_layernorm=False, add_bias_linear=False),
+]
+
+
+@pytest.mark.parametrize("kw", MLA_CONFIGS, ids=["q-lora-norms", "q-direct"])
+def test_mla_parameter_count_equals_sum_of_tensor_sizes(kw):
+    config = _config(
+        multi_latent_attention=True,
+        position_embedding_type="rope",
+        kv_lora_rank=20,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        normalization="RMSNorm",
+        **kw,
+    )
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    model = GPTModel(config, spec, 100, 24)
+    assert num_parameters(config, model.padded_vocab_size, 24) == num_parameters_in_model(model)
+
+
+def test_mla_flops_follow_megatrons_mla_branch():
+    """Megatron's MLA terms written out: q lora h -> r_q -> n (d_qk + d_pe) with its `+ 1`
+    (norm), kv lora h -> r_kv -> n (d_qk + d_v) (+ 1) and h -> d_pe, o proj n d_v -> h;
+    core n (d_qk + d_pe) / 2 + n d_v / 2 per s^2 (causal half of q k^T and p v)."""
+    n, r_q, r_kv, d_qk, d_pe, d_v = 4, 24, 20, 8, 4, 6
+    mla = dict(kv_lora_rank=r_kv, qk_head_dim=d_qk, qk_pos_emb_head_dim=d_pe, v_head_dim=d_v)
+    config = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=n,
+        multi_latent_attention=True,
+        position_embedding_type="rope",
+        q_lora_rank=r_q,
+        **mla,
+    )
+    f = 4 * H
+    attn = 6 * (r_q * (H + n * (d_qk + d_pe) + 1) + r_kv * (H + n * (d_qk + d_v) + 1))
+    attn += 6 * (H * d_pe + n * d_v * H)
+    core = 6 * (n * (d_qk + d_pe) / 2 + n * d_v / 2) * S
+    expected = S * (L * (attn + core + 6 * H * f * 2) + 6 * H * V)
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected, rel=1e-12)
+    direct = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=n,
+        multi_latent_attention=True,
+        position_embedding_type="rope",
+        **mla,
+    )
+    q_change = 6 * (H * n * (d_qk + d_pe) - r_q * (H + n * (d_qk + d_pe) + 1))
+    got = num_floating_point_operations(direct, S, V) - expected
+    assert got == pytest.approx(S * L * q_change, rel=1e-12)

@@ -72,6 +72,7 @@ SPECS = {
     "local": get_gpt_layer_local_spec,
     "local-fused": get_gpt_layer_local_spec,
     "te-torch": lambda: get_gpt_layer_te_spec(backend="torch"),
+    "mla": lambda: get_gpt_layer_local_spec(multi_latent_attention=True),  # test_mla.py
 }
 
 

@@ -70,7 +70,17 @@ def _model(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
-    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true", help="with MLA: its latent norms")
+    g.add_argument(
+        "--multi-latent-attention",
+        action="store_true",
+        help="DeepSeek-V2/V3 attention: q and kv through low-rank latents (the local spec)",
+    )
+    g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: None = no q latent")
+    g.add_argument("--kv-lora-rank", type=int, default=32)
+    g.add_argument("--qk-head-dim", type=int, default=128)
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    g.add_argument("--v-head-dim", type=int, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)

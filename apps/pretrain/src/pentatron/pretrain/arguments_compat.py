@@ -54,12 +54,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep"]
     )
-    g.add_argument("--multi-latent-attention", action="store_true")
-    g.add_argument("--q-lora-rank", type=int, default=None)
-    g.add_argument("--kv-lora-rank", type=int, default=32)
-    g.add_argument("--qk-head-dim", type=int, default=128)
-    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
-    g.add_argument("--v-head-dim", type=int, default=128)
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0)
     g.add_argument("--mscale", type=float, default=1.0)
     g.add_argument("--mscale-all-dim", type=float, default=0.0)
@@ -170,11 +164,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "transformer-engine's cross-entropy kernel is not wired",
         "use --cross-entropy-fusion-impl native",
     ),
-    "multi_latent_attention": (
-        bool,
-        "multi-latent attention (DeepSeek-V3) is " + _LATER,
-        "drop --multi-latent-attention and its MLA flags",
-    ),
     "mtp_num_layers": (
         lambda v: v is not None,
         "multi-token prediction is " + _LATER,
@@ -213,18 +202,13 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "quick_geglu": (bool, "quick-GeGLU (gpt-oss) is " + _LATER, "use --swiglu"),
 }
 
-# The MLA / MTP shape flags mean nothing without those features (refused above); one set to
-# other than Megatron's default is refused too rather than silently unused.
-_MLA_DEFAULTS = {
-    "q_lora_rank": None,
-    "kv_lora_rank": 32,
-    "qk_head_dim": 128,
-    "qk_pos_emb_head_dim": 64,
-    "v_head_dim": 128,
-    "rotary_scaling_factor": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.0,
-    "mtp_loss_scaling_factor": 0.1,
+# YaRN's scaling of MLA's RoPE and the MTP loss weight mean nothing without those features
+# (refused above); one set to other than Megatron's default is refused rather than unused.
+_LATER_DEFAULTS = {
+    "rotary_scaling_factor": (1.0, "YaRN RoPE scaling"),
+    "mscale": (1.0, "YaRN RoPE scaling"),
+    "mscale_all_dim": (0.0, "YaRN RoPE scaling"),
+    "mtp_loss_scaling_factor": (0.1, "multi-token prediction"),
 }
 
 
@@ -232,10 +216,10 @@ def _differs_from(default: Any) -> Callable[[Any], bool]:
     return lambda v: v != default
 
 
-for _dest, _default in _MLA_DEFAULTS.items():
+for _dest, (_default, _feature) in _LATER_DEFAULTS.items():
     _REFUSED[_dest] = (
         _differs_from(_default),
-        "a multi-latent attention / multi-token prediction shape; those are " + _LATER,
+        f"{_feature} is " + _LATER,
         f"drop --{_dest.replace('_', '-')}",
     )
 

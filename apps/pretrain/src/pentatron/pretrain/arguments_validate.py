@@ -220,7 +220,26 @@ def _virtual_stages(args: argparse.Namespace) -> None:
         )
 
 
+# Megatron's defaults of the MLA shape flags: set to anything else they need MLA.
+_MLA_SHAPE = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+
 def _model_shape(args: argparse.Namespace) -> None:
+    if not args.multi_latent_attention:
+        for dest, default in _MLA_SHAPE.items():
+            if getattr(args, dest) != default:
+                _fail(
+                    dest.replace("_", "-"),
+                    getattr(args, dest),
+                    "a multi-latent attention shape: read only with --multi-latent-attention",
+                    "add --multi-latent-attention, or drop it",
+                )
     tp = args.tensor_model_parallel_size
     heads = args.num_attention_heads
     if args.hidden_size % heads and args.kv_channels is None:
@@ -409,6 +428,20 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> N
             f"--transformer-impl transformer_engine (Megatron's default): {why}, so the "
             "local PyTorch spec runs (same numerics); pass --transformer-impl local to "
             "silence this"
+        )
+    if args.multi_latent_attention and args.transformer_impl == "transformer_engine":
+        if args.fp8_format:
+            _fail(
+                "fp8-format",
+                args.fp8_format,
+                "FP8 runs through the transformer-engine layout, which multi-latent attention "
+                "does not have yet",
+                "drop --fp8-format for MLA models",
+            )
+        args.transformer_impl = "local"
+        args.startup_notes.append(
+            "--multi-latent-attention runs on the local PyTorch spec (its transformer-engine "
+            "layout is not built yet); pass --transformer-impl local to silence this"
         )
     needs_gpu = {
         "enable-cuda-graph": args.enable_cuda_graph,

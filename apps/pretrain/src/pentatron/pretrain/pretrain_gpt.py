@@ -64,7 +64,10 @@ def model_provider(
     args, grid, vocab_size: int, pre_process: bool, post_process: bool, vp_stage: int | None = None
 ) -> GPTModel:
     te = args.transformer_impl == "transformer_engine"
-    spec = (get_gpt_layer_te_spec if te else get_gpt_layer_local_spec)(args.qk_layernorm)
+    if te:  # validation sends MLA to the local spec
+        spec = get_gpt_layer_te_spec(args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(args.qk_layernorm, args.multi_latent_attention)
     return GPTModel(
         configs.transformer_config(args),
         spec,

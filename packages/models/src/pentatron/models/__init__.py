@@ -34,6 +34,7 @@ from .embedding import LanguageModelEmbedding
 from .gpt_model import GPTModel, build_model_chunks
 from .grads import allreduce_tied_embedding_grads, sync_grads
 from .layer_specs import get_gpt_layer_local_spec, get_gpt_layer_te_spec
+from .mla import MLASelfAttention, MLASelfAttentionSubmodules, apply_mla_rope
 from .mlp import MLP, MLPSubmodules
 from .moe import GroupedMLP, MoELayer, MoESubmodules, SequentialMLP, SharedExpertMLP
 from .moe.aux_tracker import collect_moe_aux_losses, reset_moe_aux_losses
@@ -108,7 +109,10 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "RotaryEmbedding",
+    "MLASelfAttention",
+    "MLASelfAttentionSubmodules",
     "SelfAttention",
+    "apply_mla_rope",
     "SelfAttentionSubmodules",
     "TransformerBlock",
     "TransformerConfig",

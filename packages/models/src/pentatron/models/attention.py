@@ -20,7 +20,7 @@ import torch
 
 from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
 
-from .config import TransformerConfig
+from .config import ModelConfigError, TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .recompute import recompute_now
 from .rope import apply_rotary_pos_emb
@@ -57,6 +57,7 @@ class DotProductAttention(torch.nn.Module):
         layer_number: int,
         tp_size: int,
         cp_group: Any = None,
+        softmax_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
@@ -64,7 +65,8 @@ class DotProductAttention(torch.nn.Module):
         d, groups = config.kv_channels, config.num_query_groups
         assert d is not None and groups is not None, "TransformerConfig.__post_init__ fills them"
         self.groups_per_rank = divide(groups, tp_size, "num_query_groups")
-        self.scale = 1.0 / (d**0.5)
+        # default 1/sqrt(head dim); MLA passes 1/sqrt(d_qk + d_pe) (its q/k dims)
+        self.scale = 1.0 / (d**0.5) if softmax_scale is None else softmax_scale
 
     def set_cp_group(self, group: Any) -> None:
         """The process group of the cp ranks (used when context_parallel_size > 1)."""
@@ -119,6 +121,13 @@ class SelfAttention(torch.nn.Module):
         output_layer_init_method: Any = None,
     ) -> None:
         super().__init__()
+        if config.multi_latent_attention:
+            raise ModelConfigError(
+                "SelfAttention with multi_latent_attention=True: the rule: MLA layers come "
+                "from the MLA spec, which only the local layout has yet; fix: "
+                "get_gpt_layer_local_spec(multi_latent_attention=True) (app: "
+                "--transformer-impl local)"
+            )
         self.config, self.layer_number = config, layer_number
         d, groups, sp = config.kv_channels, config.num_query_groups, config.sequence_parallel
         assert d is not None and groups is not None, "TransformerConfig.__post_init__ fills them"

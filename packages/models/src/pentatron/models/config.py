@@ -19,6 +19,7 @@ from pentatron.pipeline import PipelineConfigError, StageLayout
 from .config_checks import (
     ModelConfigError,
     check_context_parallel,
+    check_mla,
     check_moe,
     check_recompute_modules,
     fail,
@@ -179,6 +180,13 @@ class TransformerConfig:
     moe_shared_expert_gate: bool = False  # sigmoid(x @ gate) scales the shared output (Qwen2-MoE)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: tensor_model_parallel_size
+    # --- multi-latent attention (DeepSeek-V2/V3; validated in config_checks.check_mla) ---
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: q projected from the hidden state directly
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # per-head q/k dims without RoPE
+    qk_pos_emb_head_dim: int = 64  # per-head q/k dims with RoPE (k's shared by all heads)
+    v_head_dim: int = 128
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -194,6 +202,7 @@ class TransformerConfig:
         self._check_pipeline()
         check_context_parallel(self)
         check_moe(self)
+        check_mla(self)
         self._check_cuda_graph()
 
     # --- defaults and simple checks ------------------------------------------------------------
@@ -425,9 +434,11 @@ class TransformerConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Head dims rotated by RoPE: int(kv_channels * rotary_percent)."""
+        """Head dims rotated by RoPE: int(kv_channels * rotary_percent) (MLA: of the
+        qk_pos_emb_head_dim positional dims)."""
         assert self.kv_channels is not None, "__post_init__ sets kv_channels"
-        return int(self.kv_channels * self.rotary_percent)
+        dims = self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
+        return int(dims * self.rotary_percent)
 
     @property
     def query_projection_size(self) -> int:

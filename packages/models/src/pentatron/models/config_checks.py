@@ -337,3 +337,54 @@ def _check_layer_freq(c: Any) -> None:
             f"an int n (every n-th layer is MoE) or a list of num_layers={n} zeros and ones",
             "e.g. moe_layer_freq=[0] + [1] * (num_layers - 1) for a first dense layer",
         )
+
+
+def check_mla(c: Any) -> None:
+    """Multi-latent attention (`multi_latent_attention`): its shapes, and what it runs with.
+
+    Supported: any tp (heads split; the down-projections split by rows and all-gathered,
+    as Megatron's local spec), sequence parallelism, pipeline and virtual stages, MoE,
+    recompute. Not yet: context parallelism, RoPE scaling (YaRN), the transformer-engine
+    layout (each refused below or by the spec, naming the fix)."""
+    if not c.multi_latent_attention:
+        return
+    _positive("q_lora_rank", c.q_lora_rank, optional=True)
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        _positive(name, getattr(c, name))
+    if c.position_embedding_type != "rope":
+        fail(
+            "position_embedding_type",
+            c.position_embedding_type,
+            "multi-latent attention rotates its qk_pos_emb_head_dim dims with RoPE",
+            "use position_embedding_type='rope'",
+        )
+    if c.qk_pos_emb_head_dim % 2:
+        fail("qk_pos_emb_head_dim", c.qk_pos_emb_head_dim, "RoPE pairs dims: even", "use 64")
+    if c.rope_scaling is not None:
+        fail(
+            "rope_scaling",
+            c.rope_scaling,
+            "Llama-3 RoPE scaling does not apply to multi-latent attention (YaRN is not "
+            "supported yet)",
+            "use rope_scaling=None",
+        )
+    if c.context_parallel_size > 1:
+        fail(
+            "context_parallel_size",
+            c.context_parallel_size,
+            "multi-latent attention does not run with context parallelism yet",
+            "use context_parallel_size=1 (tp, pp, ep and dp all work)",
+        )
+    t = c.tensor_model_parallel_size
+    rows = {"kv_lora_rank + qk_pos_emb_head_dim": c.kv_lora_rank + c.qk_pos_emb_head_dim}
+    if c.q_lora_rank is not None:
+        rows["q_lora_rank"] = c.q_lora_rank
+    for name, value in rows.items():
+        if value % t:
+            fail(
+                name.split(" ")[0],
+                value,
+                f"the down-projection's {name}={value} rows are split over "
+                f"tensor_model_parallel_size={t}",
+                f"use a size that tp={t} divides",
+            )

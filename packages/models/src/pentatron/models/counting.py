@@ -6,6 +6,7 @@ Megatron-LM's current formula (training.py `transformer_flops`), 6 = 3 GEMMs per
 (forward, dgrad, wgrad) x 2 FLOPs per multiply-add, per token:
   attention  6 L (h (q + 2 kv) + q h)                      q = nq d, kv = ng d
   core       6 L q s        (q k^T and p v; the causal mask keeps half of the s^2 scores)
+  (multi-latent attention: Megatron's MLA branch, `_mla_flops_per_layer`)
   MLP        6 h (f g L_dense + (topk f_moe + f_shared) g L_moe)    g = 3 SwiGLU, else 2
   logits     6 h V          (the output GEMM, tied or not)
 with L_moe the MoE layers of `moe_layer_freq`. Before Megatron core 0.12 the core term
@@ -26,16 +27,38 @@ def _norm_params(config: TransformerConfig, size: int) -> int:
     return size * (2 if config.normalization == "LayerNorm" else 1)
 
 
+def _mla_parameters(config: TransformerConfig) -> int:
+    """One MLA block: q (direct, or down + norm + up), kv down (+ k_pe) + norm + up, proj."""
+    h, n = config.hidden_size, config.num_attention_heads
+    q_out = n * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    r_q, r_kv = config.q_lora_rank, config.kv_lora_rank
+    norms = config.qk_layernorm
+    q = (
+        h * q_out
+        if r_q is None
+        else r_q * (h + q_out) + (_norm_params(config, r_q) if norms else 0)
+    )
+    kv = h * (r_kv + config.qk_pos_emb_head_dim) + r_kv * n * (
+        config.qk_head_dim + config.v_head_dim
+    )
+    kv += _norm_params(config, r_kv) if norms else 0
+    proj = n * config.v_head_dim * h + (h if config.add_bias_linear else 0)
+    return q + kv + proj
+
+
 def num_parameters_per_layer(config: TransformerConfig) -> int:
     h, d, ffn = config.hidden_size, config.kv_channels, config.ffn_hidden_size
     assert d is not None and ffn is not None, "TransformerConfig.__post_init__ fills them in"
     qkv_out = config.query_projection_size + 2 * config.kv_projection_size
     fc1_out = ffn * (2 if config.gated_linear_unit else 1)
     bias = config.add_bias_linear
-    attn = h * qkv_out + (qkv_out if bias or config.add_qkv_bias else 0)
-    attn += config.query_projection_size * h + (h if bias else 0)
-    if config.qk_layernorm:
-        attn += 2 * _norm_params(config, d)
+    if config.multi_latent_attention:
+        attn = _mla_parameters(config)
+    else:
+        attn = h * qkv_out + (qkv_out if bias or config.add_qkv_bias else 0)
+        attn += config.query_projection_size * h + (h if bias else 0)
+        if config.qk_layernorm:
+            attn += 2 * _norm_params(config, d)
     mlp = h * fc1_out + ffn * h + ((fc1_out + h) if bias else 0)
     return attn + mlp + 2 * _norm_params(config, h)
 
@@ -104,12 +127,29 @@ def _attention_flops_per_layer(config: TransformerConfig) -> tuple[int, int]:
 
     Token-linear: linear_qkv (h -> q + 2 kv) and linear_proj (q -> h). Core: q k^T and
     p v, 2 s^2 q multiply-adds, of which the causal mask keeps half (Megatron core >= 0.12;
-    before, all s^2 were counted). Multi-latent attention would return its own pair here
-    (Megatron's MLA branch); TransformerConfig has no MLA fields yet.
+    before, all s^2 were counted). Multi-latent attention: Megatron's MLA branch.
     """
+    if config.multi_latent_attention:
+        return _mla_flops_per_layer(config)
     h, q, kv = config.hidden_size, config.query_projection_size, config.kv_projection_size
     linear = _FWD_BWD_FMA * (h * (q + 2 * kv) + q * h)
     core = _FWD_BWD_FMA * 2 * q // 2  # q k^T and p v: 2 GEMMs of s^2 q; causal keeps half
+    return linear, core
+
+
+def _mla_flops_per_layer(config: TransformerConfig) -> tuple[int, float]:
+    """Megatron's MLA terms (training.py, d98e8a64): the token-linear projections, counting
+    the latent norms and RoPE as one multiply-add per latent element (its `+ 1`s), and the
+    core q k^T over d_qk + d_pe dims and p v over d_v, half of each under the causal mask."""
+    h, n = config.hidden_size, config.num_attention_heads
+    d_qk, d_pe, d_v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+    if config.q_lora_rank is None:
+        q_term = h * n * (d_qk + d_pe)
+    else:
+        q_term = config.q_lora_rank * (h + n * (d_qk + d_pe) + 1)
+    kv_term = config.kv_lora_rank * (h + n * (d_qk + d_v) + 1) + h * d_pe
+    linear = _FWD_BWD_FMA * (q_term + kv_term + n * d_v * h)
+    core = _FWD_BWD_FMA * (n * (d_qk + d_pe) / 2 + n * d_v / 2)
     return linear, core
 
 

@@ -240,8 +240,10 @@ class GPTModel(torch.nn.Module):
             if gather and self.parallel.tp_size > 1:
                 logits = gather_from_tensor_model_parallel_region(logits, self.parallel.tp_group)
             return logits
+        # at least fp32 (bf16 / fp16 logits are upcast, as Megatron's; fp64 stays fp64)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = vocab_parallel_cross_entropy(
-            logits.float(), labels.transpose(0, 1).contiguous(), self.parallel.tp_group
+            logits, labels.transpose(0, 1).contiguous(), self.parallel.tp_group
         )
         return loss.transpose(0, 1).contiguous()
 

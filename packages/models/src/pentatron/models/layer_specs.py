@@ -12,6 +12,7 @@ from __future__ import annotations
 from pentatron.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
+from .mla import MLASelfAttention, MLASelfAttentionSubmodules
 from .mlp import MLP, MLPSubmodules
 from .moe.moe_layer import MoELayer, MoESubmodules
 from .norm import Norm
@@ -19,28 +20,48 @@ from .spec import ModuleSpec
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 
-def get_gpt_layer_local_spec(qk_layernorm: bool = True) -> ModuleSpec:
+def get_gpt_layer_local_spec(
+    qk_layernorm: bool = True, multi_latent_attention: bool = False
+) -> ModuleSpec:
     """Spec of one GPT layer from PyTorch and tp-layers modules.
 
     `qk_layernorm=False` removes the q/k norms from the spec; with True they are built
     only when `config.qk_layernorm` is set. Layers that `config.moe_layer_pattern()` marks
     build `moe_mlp` (MoELayer: TopKRouter, experts by `moe_grouped_gemm`) instead of `mlp`.
+    `multi_latent_attention`: MLASelfAttention (see mla.py; its latent norms are the q/k
+    norms, as Megatron's) for a config with `multi_latent_attention=True`.
     """
     qk_norm = Norm if qk_layernorm else None
+    attention = ModuleSpec(
+        module=SelfAttention,
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+    if multi_latent_attention:
+        attention = ModuleSpec(
+            module=MLASelfAttention,
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=ColumnParallelLinear,
+                linear_q_down_proj=ColumnParallelLinear,
+                linear_q_up_proj=ColumnParallelLinear,
+                linear_kv_down_proj=ColumnParallelLinear,
+                linear_kv_up_proj=ColumnParallelLinear,
+                core_attention=DotProductAttention,
+                linear_proj=RowParallelLinear,
+                q_layernorm=qk_norm,
+                kv_layernorm=qk_norm,
+            ),
+        )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=Norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=attention,
             pre_mlp_layernorm=Norm,
             mlp=ModuleSpec(
                 module=MLP,

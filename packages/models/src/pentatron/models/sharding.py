@@ -10,6 +10,7 @@ Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
 | mlp.linear_fc1.weight/.bias (gelu)           | dim 0, contiguous  | rows r ffn/t ...         |
 | mlp.linear_fc1.weight/.bias (swiglu)         | dim 0, stride 2    | cat([gate_r, up_r])      |
 | self_attention.linear_proj.weight [h, nq d]  | dim 1              | columns r nq d/t ...     |
+| MLA: linear_q_proj, linear_{q,kv}_{down,up}_proj .weight | dim 0, contiguous | rows r out/t ... |
 | mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
 | norms, position embeddings, row biases       | replicated         | the full tensor          |
 | mlp.router.weight / .expert_bias, gate_weight| replicated         | the full tensor          |
@@ -46,7 +47,10 @@ from .config import TransformerConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
-_COLUMN = re.compile(r"\.(linear_qkv|linear_fc1)\.(weight|bias)$")
+_COLUMN = re.compile(
+    r"\.(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
+    r"|linear_kv_down_proj|linear_kv_up_proj)\.(weight|bias)$"
+)
 _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _REPLICATED = re.compile(
     r"(layernorm\.(weight|bias)|layer_norm_(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"

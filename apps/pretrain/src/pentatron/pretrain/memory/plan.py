@@ -43,6 +43,15 @@ class MemoryPlan:
     # torch.device type of the run; SDPA's grouped-k/v rule depends on it (models.sdpa)
     device: str = "cuda"
 
+    def __post_init__(self) -> None:
+        if self.config.multi_latent_attention:
+            raise MemoryPlanError(
+                "--multi-latent-attention: the activation model covers standard attention "
+                "only; MLA's latents and 192-dim q/k are not sized yet (the parameter count "
+                "is); fix: size the run without the flag for now, or measure it with "
+                "torchrun -m pentatron.pretrain.memory.measure"
+            )
+
     @property
     def tp(self) -> int:
         return self.config.tensor_model_parallel_size

@@ -1,0 +1,195 @@
+"""Multi-latent attention (DeepSeek-V2/V3): Megatron's `MLASelfAttention`, local spec.
+
+n heads (n/t on a tp rank), d_qk = qk_head_dim, d_pe = qk_pos_emb_head_dim, d_v =
+v_head_dim, r_q = q_lora_rank, r_kv = kv_lora_rank:
+
+    x [s, b, h] (SP: [s/t, b, h])
+    q:  r_q None: linear_q_proj (column) -> [s, b, n/t (d_qk + d_pe)]
+        else: linear_q_down_proj (column: rows over tp) -> all-gather(tp) -> [s, b, r_q]
+              (SP: keep [s/t]) -> q_layernorm -> linear_q_up_proj (column) -> as above
+    kv: linear_kv_down_proj (column) -> all-gather(tp) -> [s, b, r_kv + d_pe]
+        latent [s, b, r_kv] (SP: keep [s/t]) -> kv_layernorm -> linear_kv_up_proj (column)
+          -> k_nope [s, b, n/t, d_qk], v [s, b, n/t, d_v]
+        k_pe [s, b, 1, d_pe]: one for every head
+    RoPE on q_pe, k_pe (their dims de-interleaved first: DeepSeek's pairs (2i, 2i+1), as
+    Megatron's `mla_rotary_interleaved` and transformers' `rope_interleave`)
+    q = [q_nope, q_pe], k = [k_nope, k_pe] -> causal SDPA, scale 1/sqrt(d_qk + d_pe)
+      -> [s, b, n/t d_v] -> linear_proj (row: all-reduce, SP reduce-scatter) -> [s, b, h]
+
+The down-projections split by rows and all-gathered equal one replicated linear (Megatron's
+local spec; its weights shard like any column). Every rank's heads use the same k_pe, so
+its gradient is summed over tp (`copy_to_tensor_model_parallel_region`) before it reaches
+the down-projection; the latents' gradients are summed by the up-projections' backward.
+Under SP the latent norms see this rank's tokens only, so their weights are marked
+sequence-parallel (grads all-reduced over tp, as Megatron's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pentatron.tp_layers import (
+    checkpoint,
+    copy_to_tensor_model_parallel_region,
+    divide,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+from .config import ModelConfigError, TransformerConfig
+from .recompute import recompute_now
+from .rope import apply_rotary_pos_emb
+from .spec import build_linear, build_module
+
+
+@dataclass
+class MLASelfAttentionSubmodules:
+    linear_q_proj: Any = None
+    linear_q_down_proj: Any = None
+    linear_q_up_proj: Any = None
+    linear_kv_down_proj: Any = None
+    linear_kv_up_proj: Any = None
+    core_attention: Any = None
+    linear_proj: Any = None
+    q_layernorm: Any = None
+    kv_layernorm: Any = None
+
+
+def apply_mla_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`[s, b, n, d_pe]`: dims (0, 2, 4, ..., 1, 3, 5, ...) then rotate-half RoPE."""
+    return apply_rotary_pos_emb(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)
+
+
+class MLASelfAttention(torch.nn.Module):
+    """`forward(x, attention_mask, rotary)` -> `(out, bias)`, as `SelfAttention`."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLASelfAttentionSubmodules,
+        layer_number: int,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        init_method: Any = None,
+        output_layer_init_method: Any = None,
+    ) -> None:
+        super().__init__()
+        if not config.multi_latent_attention:
+            raise ModelConfigError(
+                "MLASelfAttention with multi_latent_attention=False: the rule: the MLA spec "
+                "builds MLA layers; fix: set multi_latent_attention=True, or use "
+                "get_gpt_layer_local_spec() without multi_latent_attention"
+            )
+        self.config, self.layer_number, self.tp_group = config, layer_number, tp_group
+        self.heads = divide(config.num_attention_heads, tp_size, "num_attention_heads")
+        self.d_qk, self.d_pe, self.d_v = (
+            config.qk_head_dim,
+            config.qk_pos_emb_head_dim,
+            config.v_head_dim,
+        )
+        n, h = config.num_attention_heads, config.hidden_size
+
+        def column(spec: Any, size_in: int, size_out: int) -> Any:
+            return build_linear(
+                spec,
+                config,
+                size_in,
+                size_out,
+                tp_group=tp_group,
+                bias=False,
+                init_method=init_method,
+                sequence_parallel=config.sequence_parallel,
+                params_dtype=config.params_dtype,
+            )
+
+        q_out = n * (self.d_qk + self.d_pe)
+        if config.q_lora_rank is None:
+            self.linear_q_proj = column(submodules.linear_q_proj, h, q_out)
+        else:
+            r = config.q_lora_rank
+            self.linear_q_down_proj = column(submodules.linear_q_down_proj, h, r)
+            self.linear_q_up_proj = column(submodules.linear_q_up_proj, r, q_out)
+            self.q_layernorm = self._norm(submodules.q_layernorm, r)
+        r_kv = config.kv_lora_rank
+        self.linear_kv_down_proj = column(submodules.linear_kv_down_proj, h, r_kv + self.d_pe)
+        self.linear_kv_up_proj = column(
+            submodules.linear_kv_up_proj, r_kv, n * (self.d_qk + self.d_v)
+        )
+        self.kv_layernorm = self._norm(submodules.kv_layernorm, r_kv)
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config,
+            layer_number=layer_number,
+            tp_size=tp_size,
+            softmax_scale=(self.d_qk + self.d_pe) ** -0.5,
+        )
+        self.linear_proj = build_linear(
+            submodules.linear_proj,
+            config,
+            n * self.d_v,
+            h,
+            tp_group=tp_group,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=output_layer_init_method,
+            skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+
+    def _norm(self, spec: Any, size: int) -> Any:
+        """A latent's norm (Megatron builds them with qk_layernorm), or None."""
+        if spec is None or not self.config.qk_layernorm:
+            return None
+        return build_module(spec, self.config, size)  # SP-marked under SP (see module doc)
+
+    def _latent(self, down: Any, x: torch.Tensor) -> torch.Tensor:
+        """`[s(/t), b, h]` -> the whole down-projection `[s, b, r]` on every tp rank."""
+        z, _ = down(x)  # [s, b, r/t] (SP: its input all-gathered over the sequence)
+        return gather_from_tensor_model_parallel_region(z, self.tp_group)
+
+    def _to_norm(self, latent: torch.Tensor, norm: Any) -> torch.Tensor:
+        if self.config.sequence_parallel:  # back to this rank's tokens, as x was
+            latent = scatter_to_sequence_parallel_region(latent, self.tp_group)
+        return latent if norm is None else norm(latent)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """`[s(/t), b, h]` -> `[s, b, n/t, d_qk + d_pe]`."""
+        if self.config.q_lora_rank is None:
+            q, _ = self.linear_q_proj(x)
+        else:
+            latent = self._latent(self.linear_q_down_proj, x)
+            q, _ = self.linear_q_up_proj(self._to_norm(latent, self.q_layernorm))
+        return q.view(*q.shape[:2], self.heads, self.d_qk + self.d_pe)
+
+    def key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[s(/t), b, h]` -> k_nope `[s, b, n/t, d_qk]`, v `[s, b, n/t, d_v]`, k_pe
+        `[s, b, 1, d_pe]`."""
+        combined = self._latent(self.linear_kv_down_proj, x)
+        latent, k_pe = torch.split(combined, [self.config.kv_lora_rank, self.d_pe], dim=-1)
+        k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp_group)  # grad: sum over tp
+        kv, _ = self.linear_kv_up_proj(self._to_norm(latent, self.kv_layernorm))
+        kv = kv.view(*kv.shape[:2], self.heads, self.d_qk + self.d_v)
+        k_nope, v = torch.split(kv, [self.d_qk, self.d_v], dim=-1)
+        return k_nope, v, k_pe.unsqueeze(2)
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: Any = None, rotary: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`[s, b, h]` (SP: `[s/t, b, h]`) -> (`[s, b, h]` (SP: `[s/t, b, h]`), bias)."""
+        q = self.query(hidden)
+        k_nope, v, k_pe = self.key_value(hidden)
+        q_nope, q_pe = torch.split(q, [self.d_qk, self.d_pe], dim=-1)
+        if rotary is not None:
+            cos, sin = rotary
+            q_pe, k_pe = apply_mla_rope(q_pe, cos, sin), apply_mla_rope(k_pe, cos, sin)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
+        if recompute_now(self.config, "core_attn", self.training):
+            ctx = checkpoint(self.core_attention, q, k, v.contiguous(), attention_mask)
+        else:
+            ctx = self.core_attention(q, k, v.contiguous(), attention_mask)
+        return self.linear_proj(ctx)

@@ -1,0 +1,240 @@
+"""Multi-latent attention (`multi_latent_attention=True`, MLASelfAttention).
+
+- Independent reference: transformers' DeepseekV3ForCausalLM (all layers dense, DeepSeek's
+  interleaved RoPE, with and without q compression), given our weights: loss, logits and
+  every parameter's gradient, fp32, max|diff| <= 1e-5 max|ref| per tensor.
+- Parallel parity: tp2, tp2+SP, tp4+SP, pp2, tp2-pp2-vpp2+SP against one process of our own
+  model (the reference above vouches for it): per-token losses and every gradient, fp32,
+  rtol 1e-5 / atol 1e-6. A missing tp sum of k_pe's gradient (every rank's heads share it)
+  fails these; `test_k_pe_gradient_sum_is_needed` plants it.
+- Bad input: MLA with context parallelism, non-RoPE positions, a down-projection tp does not
+  divide, or the standard spec, fails naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _gpt import TOL, VOCAB, M, microbatches, reference_run, small_config
+from test_parity import _all_layouts, _merged_grads
+
+from pentatron.models import (
+    GPTModel,
+    ModelConfigError,
+    get_gpt_layer_local_spec,
+    mla,
+)
+
+MLA = dict(
+    multi_latent_attention=True,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    num_query_groups=None,
+)
+LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
+    (2, 1, None, False, True, "mla"),
+    (2, 1, None, True, True, "mla"),
+    (4, 1, None, True, False, "mla"),
+    (1, 2, None, False, True, "mla"),
+    (2, 2, 2, True, True, "mla"),
+]
+
+
+def _config(**kw):
+    return small_config(**{**MLA, "num_query_groups": 8, **kw})
+
+
+# ---- against transformers ----------------------------------------------------------------
+
+
+def _to_deepseek(state: dict[str, torch.Tensor], q_lora: bool) -> dict[str, torch.Tensor]:
+    """Our (tied, bias-free) state dict -> DeepseekV3ForCausalLM names, written out here."""
+    attn = {
+        "linear_q_proj": "q_proj",
+        "linear_q_down_proj": "q_a_proj",
+        "q_layernorm": "q_a_layernorm",
+        "linear_q_up_proj": "q_b_proj",
+        "linear_kv_down_proj": "kv_a_proj_with_mqa",
+        "kv_layernorm": "kv_a_layernorm",
+        "linear_kv_up_proj": "kv_b_proj",
+        "linear_proj": "o_proj",
+    }
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:VOCAB]}
+    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    for name, t in state.items():
+        if not name.startswith("decoder.layers."):
+            continue
+        _, _, i, part, rest = name.split(".", 4)
+        pre = f"model.layers.{i}."
+        if part == "self_attention":
+            module = rest.split(".")[0]
+            out[pre + "self_attn." + attn[module] + ".weight"] = t
+        elif part == "input_layernorm":
+            out[pre + "input_layernorm.weight"] = t
+        elif part == "pre_mlp_layernorm":
+            out[pre + "post_attention_layernorm.weight"] = t
+        elif rest == "linear_fc1.weight":
+            gate, up = t.chunk(2, dim=0)
+            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
+        elif rest == "linear_fc2.weight":
+            out[pre + "mlp.down_proj.weight"] = t
+    return out
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q-lora", "q-direct"])
+def test_matches_transformers_deepseek_v3(q_lora_rank):
+    transformers = pytest.importorskip("transformers")
+    config = _config(
+        q_lora_rank=q_lora_rank,
+        add_bias_linear=False,
+        init_method_std=0.02,
+        layernorm_epsilon=1e-6,  # transformers' latent norms have eps 1e-6 whatever the config
+    )
+    torch.manual_seed(0)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    # no padded rows: their logits would enter our softmax, not transformers'
+    ours = GPTModel(config, spec, VOCAB, 16, make_vocab_size_divisible_by=4)
+    with torch.no_grad():  # norms away from 1, so a dropped or misplaced norm shows
+        for name, p in ours.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    hf_config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_attention_heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_head_dim,
+        qk_rope_head_dim=config.qk_pos_emb_head_dim,
+        v_head_dim=config.v_head_dim,
+        first_k_dense_replace=config.num_layers,  # every layer dense
+        rope_interleave=True,
+        rms_norm_eps=config.layernorm_epsilon,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        max_position_embeddings=16,
+    )
+    hf = transformers.DeepseekV3ForCausalLM(hf_config).float()
+    hf.load_state_dict(_to_deepseek(ours.state_dict(), q_lora_rank is not None), strict=True)
+    ids, pos, labels = microbatches(1)[0]
+    loss = ours(ids, pos, labels=labels).mean()
+    loss.backward()
+    logits = hf(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    _assert_close_to_max(ours(ids, pos).detach(), logits.detach(), "logits")
+    ours_grads = _to_deepseek({n: p.grad for n, p in ours.named_parameters()}, True)
+    for name, p in hf.named_parameters():
+        _assert_close_to_max(ours_grads[name], p.grad, name)
+
+
+def _assert_close_to_max(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """fp32 sums in another order: max|diff| <= 1e-5 of the tensor's largest entry
+    (measured: 1.1e-6 at most)."""
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= 1e-5, f"{what}: max|diff| / max|ref| = {err:.2e}"
+
+
+# ---- parallel parity -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mla_parity(distributed):
+    out = {}
+    for q_lora_rank in (16, None):
+        base, data = _config(q_lora_rank=q_lora_rank), microbatches()
+        refs = {
+            tied: reference_run(
+                dataclasses.replace(base, untie_embeddings_and_output_weights=not tied), data
+            )
+            for tied in (True, False)
+        }
+        states = {tied: ref[0] for tied, ref in refs.items()}
+        per_rank = distributed.run(4, _all_layouts, base, LAYOUTS, states, data)
+        results = {lay: [r[i] for r in per_rank] for i, lay in enumerate(LAYOUTS)}
+        out[q_lora_rank] = (base, refs, results)
+    return out
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q-lora", "q-direct"])
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda lay: "tp{}-pp{}-vpp{}-sp{}-tied{}".format(*lay[:5])
+)
+def test_losses_and_grads_match_single_process(mla_parity, layout, q_lora_rank):
+    base, refs, results = mla_parity[q_lora_rank]
+    _, ref_losses, ref_grads = refs[layout[4]]
+    results = results[layout]
+    last = [r for r in results if r["losses"]]
+    assert last, "no rank reported losses"
+    for r in last:
+        assert len(r["losses"]) == M
+        for got, want in zip(r["losses"], ref_losses):
+            torch.testing.assert_close(got, want, **TOL)
+    grads = _merged_grads(results, base)
+    if layout[1] > 1 and layout[4]:
+        torch.testing.assert_close(
+            grads.pop("output_layer.weight"), ref_grads["embedding.word_embeddings.weight"], **TOL
+        )
+    assert sorted(grads) == sorted(ref_grads)
+    assert any("linear_kv_down_proj" in n for n in grads)
+    for name, want in ref_grads.items():
+        torch.testing.assert_close(grads[name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _without_k_pe_sum(base, layouts, states, data):
+    kept = mla.copy_to_tensor_model_parallel_region
+    mla.copy_to_tensor_model_parallel_region = lambda x, group=None: x  # the planted bug
+    try:
+        return _all_layouts(base, layouts, states, data)
+    finally:
+        mla.copy_to_tensor_model_parallel_region = kept
+
+
+def test_k_pe_gradient_sum_is_needed(distributed):
+    """Planted: k_pe's gradient not summed over tp -> the kv down-projection's k_pe rows
+    get only one rank's heads' share: parity fails on that weight in every layer."""
+    base, data = _config(), microbatches()
+    state, _, ref_grads = reference_run(base, data)
+    layout = (2, 1, None, False, True, "mla")
+    per_rank = distributed.run(2, _without_k_pe_sum, base, [layout], {True: state}, data)
+    grads = _merged_grads([r[0] for r in per_rank], base)
+    wrong = {n for n, want in ref_grads.items() if not torch.allclose(grads[n], want, **TOL)}
+    for i in range(base.num_layers):  # then everything upstream of them, through dX
+        assert f"decoder.layers.{i}.self_attention.linear_kv_down_proj.weight" in wrong
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"context_parallel_size": 2}, "context_parallel_size"),
+        ({"position_embedding_type": "learned_absolute"}, "position_embedding_type"),
+        ({"tensor_model_parallel_size": 4, "kv_lora_rank": 10}, "kv_lora_rank"),
+        ({"q_lora_rank": 18, "tensor_model_parallel_size": 4}, "q_lora_rank"),
+    ],
+)
+def test_unsupported_combinations_fail_naming_the_field(overrides, field):
+    with pytest.raises(ModelConfigError, match=field):
+        _config(**overrides)
+
+
+def test_the_standard_spec_refuses_an_mla_config():
+    with pytest.raises(ModelConfigError, match="multi_latent_attention=True"):
+        GPTModel(_config(), get_gpt_layer_local_spec(), VOCAB, 16)
