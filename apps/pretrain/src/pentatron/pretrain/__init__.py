@@ -1,5 +1,8 @@
 """pentatron.pretrain: the GPT pretraining application (data, tokenizers, checkpoints, training)."""
 
-__version__ = "0.3.0"
+from importlib.metadata import version as _distribution_version
+
+# the installed distribution's version, so it never drifts from pyproject.toml
+__version__ = _distribution_version("pentatron-pretrain")
 
 __all__: list[str] = []

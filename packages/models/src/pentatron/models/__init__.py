@@ -8,6 +8,8 @@
 Conversion to and from Hugging Face Llama lives in `pentatron.models.hf`.
 """
 
+from importlib.metadata import version as _distribution_version
+
 from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from .config import ModelConfigError, RopeScaling, TransformerConfig
 from .context_parallel import (
@@ -61,7 +63,8 @@ from .te_spec import HAVE_TE
 from .transformer_block import TransformerBlock, get_layer_offset, get_num_layers_to_build
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__version__ = "0.3.0"
+# the installed distribution's version, so it never drifts from pyproject.toml
+__version__ = _distribution_version("pentatron-models")
 
 __all__ = [
     "ATTENTION_BACKENDS",

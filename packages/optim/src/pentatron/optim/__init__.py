@@ -1,6 +1,8 @@
 """pentatron.optim: DDP over bucketed grad buffers, ZeRO-1 distributed optimizer, mixed
 precision with loss scaling, global grad-norm clipping, and lr / wd schedules."""
 
+from importlib.metadata import version as _distribution_version
+
 from .checkpointing import (
     CheckpointMismatchError,
     FlatPieces,
@@ -34,7 +36,8 @@ from .optimizer.mixed_precision import GradStatsGroups, MixedPrecisionOptimizer,
 from .optimizer.param_groups import default_no_weight_decay, get_param_groups
 from .scheduler import OptimizerParamScheduler, SchedulerMismatchError
 
-__version__ = "0.1.4"
+# the installed distribution's version, so it never drifts from pyproject.toml
+__version__ = _distribution_version("pentatron-optim")
 
 __all__ = [
     "ChunkLoadPlanner",

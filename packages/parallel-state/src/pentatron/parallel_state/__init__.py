@@ -3,6 +3,8 @@
 The multi-process test harness lives in `pentatron.parallel_state.testing`.
 """
 
+from importlib.metadata import version as _distribution_version
+
 from . import accessors, comm
 from .accessors import *  # noqa: F403  (Megatron-named conveniences, listed in ACCESSORS)
 from .accessors import ACCESSORS
@@ -21,7 +23,8 @@ from .grid import (
 from .layout import ALIASES, FAMILIES, GridLayout
 from .rank_generator import RankGenerator, masked_rank_groups
 
-__version__ = "0.1.1"
+# the installed distribution's version, so it never drifts from pyproject.toml
+__version__ = _distribution_version("pentatron-parallel-state")
 
 __all__ = [
     "ALIASES",

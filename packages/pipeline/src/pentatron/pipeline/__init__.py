@@ -1,6 +1,8 @@
 """pentatron.pipeline: p2p between pipeline stages, no-pipelining / 1F1B / interleaved
 schedules, the schedule table, stage layout, timelines and bubble accounting."""
 
+from importlib.metadata import version as _distribution_version
+
 from .bubble import BubbleReport, bubble_report, ideal_bubble_fraction
 from .config import PipelineConfig, PipelineConfigError, check_schedule, tensor_shape
 from .layout import StageLayout
@@ -24,7 +26,8 @@ from .schedules import (
 )
 from .timeline import Event, ScheduleDeadlock, Timeline, simulate, simulate_ops, to_chrome_trace
 
-__version__ = "0.1.4"
+# the installed distribution's version, so it never drifts from pyproject.toml
+__version__ = _distribution_version("pentatron-pipeline")
 
 __all__ = [
     "BubbleReport",

@@ -5,6 +5,8 @@ Every layer and function takes its tensor-parallel group (`tp_group`: a ProcessG
 `pentatron.parallel_state`.
 """
 
+from importlib.metadata import version as _distribution_version
+
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding, check_token_ids
 from .grads import mark_sequence_parallel, sync_sequence_parallel_grads
@@ -55,7 +57,8 @@ from .utils import (
     vocab_range,
 )
 
-__version__ = "0.1.5"
+# the installed distribution's version, so it never drifts from pyproject.toml
+__version__ = _distribution_version("pentatron-tp-layers")
 
 __all__ = [
     "accumulate_weight_grad",
