@@ -68,3 +68,24 @@ def test_memory_calculator_refuses_mla_by_name():
     args = validate_args(parse_args([*COMMON, "--position-embedding-type", "rope"]), 1)
     with pytest.raises(MemoryPlanError, match=r"^--multi-latent-attention: "):
         plan_from_args(args)
+
+
+def test_yarn_flags_reach_the_model_and_misuse_is_refused():
+    """Megatron's YaRN flags (MLA takes YaRN unless --rope-type rope); None = its defaults."""
+    from pentatron.pretrain.arguments import ArgumentError, parse_args, validate_args
+    from pentatron.pretrain.training.configs import transformer_config
+
+    yarn = ["--rotary-scaling-factor", "40", "--mscale", "0.9", "--mscale-all-dim", "1.0"]
+    config = transformer_config(validate_args(parse_args([*COMMON, *yarn]), 1))
+    assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (40, 0.9, 1)
+    assert config.yarn_original_max_position_embeddings == 4096  # MLATransformerConfig's
+    assert (config.yarn_beta_fast, config.yarn_beta_slow) == (32.0, 1.0)
+    given = [*yarn, "--yarn-original-max-position-embeddings", "512", "--yarn-beta-fast", "16"]
+    given += ["--no-yarn-correction-range-round-to-int"]
+    config = transformer_config(validate_args(parse_args([*COMMON, *given]), 1))
+    assert config.yarn_original_max_position_embeddings == 512
+    assert config.yarn_beta_fast == 16.0 and not config.yarn_correction_range_round_to_int
+    with pytest.raises(ArgumentError, match=r"^--rotary-scaling-factor=40.0: .*--rope-type rope"):
+        validate_args(parse_args([*COMMON, *yarn, "--rope-type", "rope"]), 1)
+    with pytest.raises(ArgumentError, match=r"^--rope-type=yarn: "):
+        validate_args(parse_args([*TINY_GPT, "--train-iters", "2", "--rope-type", "yarn"]), 1)

@@ -79,8 +79,6 @@ REFUSED_ON_CPU = {
     | {
         "--moe-token-dispatcher-type",  # flex: DeepEP / HybridEP kernels
         "--mtp-num-layers",
-        "--rotary-scaling-factor",  # YaRN
-        "--mscale-all-dim",
         "--megatron-fsdp-main-grads-dtype",  # bf16 main grads
         "--wandb-project",
         "--ckpt-format",  # fsdp_dtensor

@@ -92,14 +92,36 @@ def _to_deepseek(state: dict[str, torch.Tensor], q_lora: bool) -> dict[str, torc
     return out
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q-lora", "q-direct"])
-def test_matches_transformers_deepseek_v3(q_lora_rank):
+# YaRN: (factor, mscale, mscale_all_dim) over an original context of 8 (s = 16)
+YARN = {"none": None, "yarn": (4.0, 1.0, 1.0), "yarn-mscale": (4.0, 0.8, 1.0)}
+
+
+@pytest.mark.parametrize(
+    ("q_lora_rank", "yarn"),
+    [(16, "none"), (None, "none"), (16, "yarn"), (None, "yarn-mscale")],
+    ids=["q-lora", "q-direct", "q-lora-yarn", "q-direct-yarn-mscale"],
+)
+def test_matches_transformers_deepseek_v3(q_lora_rank, yarn):
     transformers = pytest.importorskip("transformers")
+    rope: dict = {"rope_type": "default", "rope_theta": 10000.0}
+    scaling: dict = {}
+    if YARN[yarn] is not None:
+        factor, mscale, mscale_all_dim = YARN[yarn]
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": factor}
+        rope |= {"original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0}
+        rope |= {"mscale": mscale, "mscale_all_dim": mscale_all_dim}
+        scaling = dict(
+            rotary_scaling_factor=factor,
+            mscale=mscale,
+            mscale_all_dim=mscale_all_dim,
+            yarn_original_max_position_embeddings=8,
+        )
     config = _config(
         q_lora_rank=q_lora_rank,
         add_bias_linear=False,
         init_method_std=0.02,
         layernorm_epsilon=1e-6,  # transformers' latent norms have eps 1e-6 whatever the config
+        **scaling,
     )
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(multi_latent_attention=True)
@@ -127,6 +149,7 @@ def test_matches_transformers_deepseek_v3(q_lora_rank):
         attention_bias=False,
         tie_word_embeddings=True,
         max_position_embeddings=16,
+        rope_parameters=rope,
     )
     hf = transformers.DeepseekV3ForCausalLM(hf_config).float()
     hf.load_state_dict(_to_deepseek(ours.state_dict(), q_lora_rank is not None), strict=True)

@@ -81,6 +81,24 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-head-dim", type=int, default=128)
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
     g.add_argument("--v-head-dim", type=int, default=128)
+    g.add_argument(
+        "--rope-type",
+        default=None,
+        choices=["rope", "yarn"],
+        help="MLA's RoPE (default yarn, as Megatron's; standard attention: rope only)",
+    )
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN's factor")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN: cos/sin temperature")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN: softmax scale")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None)
+    g.add_argument("--yarn-beta-fast", type=float, default=None)
+    g.add_argument("--yarn-beta-slow", type=float, default=None)
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None)
+    g.add_argument(
+        "--no-yarn-correction-range-round-to-int",
+        action="store_false",
+        dest="yarn_correction_range_round_to_int",
+    )
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)

@@ -54,12 +54,8 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep"]
     )
-    g.add_argument("--rotary-scaling-factor", type=float, default=1.0)
-    g.add_argument("--mscale", type=float, default=1.0)
-    g.add_argument("--mscale-all-dim", type=float, default=0.0)
     g.add_argument("--mtp-num-layers", type=int, default=None)
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
-    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"])
     g.add_argument(
         "--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"]
     )
@@ -169,11 +165,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "multi-token prediction is " + _LATER,
         "drop --mtp-num-layers",
     ),
-    "rope_type": (
-        lambda v: v == "yarn",
-        "YaRN RoPE is " + _LATER,
-        "use --rope-type rope",
-    ),
     "softmax_type": (
         lambda v: v != "vanilla",
         "attention sinks (gpt-oss) are " + _LATER,
@@ -202,12 +193,9 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "quick_geglu": (bool, "quick-GeGLU (gpt-oss) is " + _LATER, "use --swiglu"),
 }
 
-# YaRN's scaling of MLA's RoPE and the MTP loss weight mean nothing without those features
-# (refused above); one set to other than Megatron's default is refused rather than unused.
+# The MTP loss weight means nothing without MTP (refused above); set to other than
+# Megatron's default it is refused rather than unused.
 _LATER_DEFAULTS = {
-    "rotary_scaling_factor": (1.0, "YaRN RoPE scaling"),
-    "mscale": (1.0, "YaRN RoPE scaling"),
-    "mscale_all_dim": (0.0, "YaRN RoPE scaling"),
     "mtp_loss_scaling_factor": (0.1, "multi-token prediction"),
 }
 

@@ -230,7 +230,34 @@ _MLA_SHAPE = {
 }
 
 
+def _rope_type(args: argparse.Namespace) -> None:
+    """--rope-type: MLA takes YaRN unless `rope` (then no scaling); standard attention rope."""
+    yarn_set = [
+        f"--{d.replace('_', '-')}"
+        for d, default in (("rotary_scaling_factor", 1.0), ("mscale", 1.0), ("mscale_all_dim", 0.0))
+        if getattr(args, d) != default
+    ]
+    if not args.multi_latent_attention:
+        if args.rope_type == "yarn" or yarn_set:
+            flag = "rope-type" if args.rope_type == "yarn" else yarn_set[0][2:]
+            _fail(
+                flag,
+                args.rope_type if flag == "rope-type" else getattr(args, flag.replace("-", "_")),
+                "YaRN scales multi-latent attention's RoPE only here",
+                "add --multi-latent-attention, or use --use-rope-scaling (Llama 3) for "
+                "standard attention",
+            )
+    elif args.rope_type == "rope" and yarn_set:
+        _fail(
+            yarn_set[0][2:],
+            getattr(args, yarn_set[0][2:].replace("-", "_")),
+            "a YaRN setting, with --rope-type rope (plain RoPE)",
+            "drop --rope-type rope (MLA takes YaRN by default)",
+        )
+
+
 def _model_shape(args: argparse.Namespace) -> None:
+    _rope_type(args)
     if not args.multi_latent_attention:
         for dest, default in _MLA_SHAPE.items():
             if getattr(args, dest) != default:

@@ -187,6 +187,14 @@ class TransformerConfig:
     qk_head_dim: int = 128  # per-head q/k dims without RoPE
     qk_pos_emb_head_dim: int = 64  # per-head q/k dims with RoPE (k's shared by all heads)
     v_head_dim: int = 128
+    # YaRN scaling of MLA's RoPE (Megatron's names; factor 1 = plain RoPE, MLA's default)
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_correction_range_round_to_int: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

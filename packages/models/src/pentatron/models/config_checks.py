@@ -344,10 +344,21 @@ def check_mla(c: Any) -> None:
 
     Supported: any tp (heads split; the down-projections split by rows and all-gathered,
     as Megatron's local spec), sequence parallelism, pipeline and virtual stages, MoE,
-    recompute. Not yet: context parallelism, RoPE scaling (YaRN), the transformer-engine
-    layout (each refused below or by the spec, naming the fix)."""
+    recompute, YaRN (`rotary_scaling_factor` > 1). Not yet: context parallelism, the
+    transformer-engine layout (each refused below or by the spec, naming the fix)."""
     if not c.multi_latent_attention:
+        if c.rotary_scaling_factor != 1.0:
+            fail(
+                "rotary_scaling_factor",
+                c.rotary_scaling_factor,
+                "YaRN scales multi-latent attention's RoPE only",
+                "set multi_latent_attention=True, or use rope_scaling (Llama 3) for standard "
+                "attention",
+            )
         return
+    if not c.rotary_scaling_factor >= 1.0:
+        fail("rotary_scaling_factor", c.rotary_scaling_factor, ">= 1 (1: no YaRN)", "e.g. 40")
+    _positive("yarn_original_max_position_embeddings", c.yarn_original_max_position_embeddings)
     _positive("q_lora_rank", c.q_lora_rank, optional=True)
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         _positive(name, getattr(c, name))
@@ -364,9 +375,8 @@ def check_mla(c: Any) -> None:
         fail(
             "rope_scaling",
             c.rope_scaling,
-            "Llama-3 RoPE scaling does not apply to multi-latent attention (YaRN is not "
-            "supported yet)",
-            "use rope_scaling=None",
+            "Llama-3 RoPE scaling does not apply to multi-latent attention (it takes YaRN)",
+            "use rope_scaling=None and rotary_scaling_factor for YaRN",
         )
     if c.context_parallel_size > 1:
         fail(

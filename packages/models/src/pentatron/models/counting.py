@@ -122,7 +122,7 @@ def _mlp_flops_per_token(config: TransformerConfig) -> int:
     return _FWD_BWD_FMA * config.hidden_size * (dense + moe)
 
 
-def _attention_flops_per_layer(config: TransformerConfig) -> tuple[int, int]:
+def _attention_flops_per_layer(config: TransformerConfig) -> tuple[int, float]:
     """(token-linear FLOPs per token, core FLOPs per s^2) of one self-attention layer.
 
     Token-linear: linear_qkv (h -> q + 2 kv) and linear_proj (q -> h). Core: q k^T and

@@ -14,6 +14,8 @@ v_head_dim, r_q = q_lora_rank, r_kv = kv_lora_rank:
     RoPE on q_pe, k_pe (their dims de-interleaved first: DeepSeek's pairs (2i, 2i+1), as
     Megatron's `mla_rotary_interleaved` and transformers' `rope_interleave`)
     q = [q_nope, q_pe], k = [k_nope, k_pe] -> causal SDPA, scale 1/sqrt(d_qk + d_pe)
+      (YaRN, rotary_scaling_factor > 1: its frequencies and cos/sin factor in `rope`, and
+      the scale times mscale(factor, mscale_all_dim)^2)
       -> [s, b, n/t d_v] -> linear_proj (row: all-reduce, SP reduce-scatter) -> [s, b, h]
 
 The down-projections split by rows and all-gathered equal one replicated linear (Megatron's
@@ -26,6 +28,7 @@ sequence-parallel (grads all-reduced over tp, as Megatron's).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +44,7 @@ from pentatron.tp_layers import (
 
 from .config import ModelConfigError, TransformerConfig
 from .recompute import recompute_now
-from .rope import apply_rotary_pos_emb
+from .rope import apply_rotary_pos_emb, yarn_mscale
 from .spec import build_linear, build_module
 
 
@@ -56,6 +59,12 @@ class MLASelfAttentionSubmodules:
     linear_proj: Any = None
     q_layernorm: Any = None
     kv_layernorm: Any = None
+
+
+def mla_softmax_scale(config: TransformerConfig) -> float:
+    """`1/sqrt(d_qk + d_pe)`, times YaRN's `mscale(factor, mscale_all_dim)^2` (DeepSeek's)."""
+    m = yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim)
+    return m * m / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
 
 
 def apply_mla_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -124,7 +133,7 @@ class MLASelfAttention(torch.nn.Module):
             config,
             layer_number=layer_number,
             tp_size=tp_size,
-            softmax_scale=(self.d_qk + self.d_pe) ** -0.5,
+            softmax_scale=mla_softmax_scale(config),
         )
         self.linear_proj = build_linear(
             submodules.linear_proj,

@@ -34,8 +34,44 @@ def llama3_scale(inv_freq: torch.Tensor, sc: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (Eq. 21): `0.1 mscale ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(dim: int, base: float, config: TransformerConfig) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as Megatron's and DeepSeek's: the frequencies that turn fewer
+    than `beta_slow` times over the original context are divided by the factor, those
+    turning more than `beta_fast` times kept, a linear ramp in between."""
+    factor, original = config.rotary_scaling_factor, config.yarn_original_max_position_embeddings
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(config.yarn_beta_fast), dim_of(config.yarn_beta_slow)
+    if config.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
+    keep = 1.0 - ramp.clamp(0, 1)  # 1: extrapolate (keep), 0: interpolate (divide)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn_concentration(config: TransformerConfig) -> float:
+    """The factor on cos and sin (Megatron's `_yarn_get_concentration_factor`)."""
+    factor = config.rotary_scaling_factor
+    return yarn_mscale(factor, config.mscale) / yarn_mscale(factor, config.mscale_all_dim)
+
+
+def uses_yarn(config: TransformerConfig) -> bool:
+    return config.multi_latent_attention and config.rotary_scaling_factor != 1.0
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """Produces `(cos, sin)` for given positions; holds no parameters (not in state dicts)."""
+    """Produces `(cos, sin)` for given positions; holds no parameters (not in state dicts).
+    Multi-latent attention with `rotary_scaling_factor` > 1 takes YaRN's frequencies and
+    scales cos and sin by its concentration factor."""
 
     inv_freq: torch.Tensor  # a buffer (registered in __init__)
 
@@ -44,7 +80,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.dim = config.rotary_dim
         scaling = config.rope_scaling
         assert not isinstance(scaling, dict), "TransformerConfig.__post_init__ makes it RopeScaling"
-        inv = rope_inv_freq(self.dim, config.rotary_base, scaling)
+        self.concentration = 1.0
+        if uses_yarn(config):
+            inv = yarn_inv_freq(self.dim, config.rotary_base, config)
+            self.concentration = yarn_concentration(config)
+        else:
+            inv = rope_inv_freq(self.dim, config.rotary_base, scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(
@@ -58,6 +99,8 @@ class RotaryEmbedding(torch.nn.Module):
             pos = position_ids.to(device=inv.device, dtype=torch.float32)
         freqs = pos[..., None] * inv  # [b, s, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]
+        if self.concentration != 1.0:
+            return emb.cos() * self.concentration, emb.sin() * self.concentration
         return emb.cos(), emb.sin()
 
 

@@ -21,17 +21,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pentatron.models.hf import PER_EXPERT, config_to_hf_dict, full_to_hf
 from pentatron.models.hf.safetensors_io import INDEX, atomic_dir, save_tensors, write_json
@@ -42,6 +41,7 @@ from ..checkpointing import layout
 from ..checkpointing.common_state import model_fields, read_common, write_common
 from ..checkpointing.model_state import PREFIX
 from ..checkpointing.rectangles import VOCAB_PADDING, param_rects, shard_info
+from .export import copy_tokenizer_files
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -106,14 +106,19 @@ def checkpoint_to_hf(load_dir: str, out: str, iteration: int | None = None) -> s
     config = transformer_config(args)
     vocab, max_positions = common["model"]["vocab_size"], common["model"]["max_sequence_length"]
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    keys = sorted(k for k in meta if k.startswith(PREFIX))
+    tensors = {  # the model's tensors (no byte entries)
+        k: m
+        for k, m in meta.items()
+        if k.startswith(PREFIX) and isinstance(m, TensorStorageMetadata)
+    }
+    keys = sorted(tensors)
     groups = sorted({_group(k) for k in keys})
     weight_map: dict[str, str] = {}
     with atomic_dir(out) as tmp:
         for i, group in enumerate(groups):
             want = {
-                k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
-                for k in keys
+                k: torch.empty(tuple(t.size), dtype=t.properties.dtype)
+                for k, t in tensors.items()
                 if _group(k) == group
             }
             with _single_process():
@@ -128,7 +133,7 @@ def checkpoint_to_hf(load_dir: str, out: str, iteration: int | None = None) -> s
         write_json(
             config_to_hf_dict(config, vocab, max_positions, _extras(args)), tmp / "config.json"
         )
-        _copy_tokenizer(args, tmp)
+        copy_tokenizer_files(args, tmp)
     return out
 
 
@@ -140,15 +145,6 @@ def _extras(args: argparse.Namespace) -> dict[str, Any]:
     from .config import hf_config
 
     return hf_config(source)[3]
-
-
-def _copy_tokenizer(args: argparse.Namespace, out: Path) -> None:
-    from .export import TOKENIZER_FILES, tokenizer_dir
-
-    source = tokenizer_dir(args)
-    for f in TOKENIZER_FILES if source else ():
-        if os.path.isfile(os.path.join(source, f)):
-            shutil.copyfile(os.path.join(source, f), out / f)
 
 
 def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:

@@ -84,6 +84,16 @@ def tokenizer_dir(args: argparse.Namespace) -> str | None:
     return None
 
 
+def copy_tokenizer_files(args: argparse.Namespace, out: str | os.PathLike[str]) -> None:
+    """The run's Hugging Face tokenizer files (none for other tokenizers) into `out`."""
+    source = tokenizer_dir(args)
+    if source is None:
+        return
+    for f in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, f)):
+            shutil.copyfile(os.path.join(source, f), os.path.join(out, f))
+
+
 def export_hf(
     args: argparse.Namespace,
     chunks: Sequence[Any],
@@ -94,11 +104,12 @@ def export_hf(
     """Collective over the world: write this rank's stage file, then rank 0 the rest."""
     out = os.path.abspath(args.export_hf_dir)
     host = grid.host_group
-    tmp = [None]
+    box = [""]
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = [tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))]
-    dist.broadcast_object_list(tmp, src=0, group=host)  # a path: gloo, no tensor
+        box = [tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))]
+    dist.broadcast_object_list(box, src=0, group=host)  # a path: gloo, no tensor
+    tmp = box[0]
     models = [getattr(c, "module", c) for c in chunks]
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's params in place
@@ -109,7 +120,7 @@ def export_hf(
     name = f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
     writer = all(grid.rank(d) == 0 for d in ("tp", "dp", "cp", "ep"))
     if writer:
-        save_tensors({k: v.cpu() for k, v in tensors.items()}, os.path.join(tmp[0], name))
+        save_tensors({k: v.cpu() for k, v in tensors.items()}, os.path.join(tmp, name))
     maps: list[Any] = [None] * dist.get_world_size(host)
     dist.all_gather_object(maps, dict.fromkeys(tensors, name) if writer else {}, group=host)
     if dist.get_rank() == 0:
@@ -118,15 +129,12 @@ def export_hf(
             weight_map.update(m)
         write_json(
             {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))},
-            os.path.join(tmp[0], INDEX),
+            os.path.join(tmp, INDEX),
         )
-        write_json(_hf_config_dict(args, config, vocab_size), os.path.join(tmp[0], "config.json"))
-        source = tokenizer_dir(args)
-        for f in TOKENIZER_FILES if source else ():
-            if os.path.isfile(os.path.join(source, f)):
-                shutil.copyfile(os.path.join(source, f), os.path.join(tmp[0], f))
+        write_json(_hf_config_dict(args, config, vocab_size), os.path.join(tmp, "config.json"))
+        copy_tokenizer_files(args, tmp)
         if os.path.isdir(out):  # empty (checked in validation)
             os.rmdir(out)
-        os.replace(tmp[0], out)
+        os.replace(tmp, out)
     comm.barrier(host)
     return out

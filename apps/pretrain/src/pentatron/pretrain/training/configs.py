@@ -74,6 +74,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
         v_head_dim=args.v_head_dim,
+        **yarn_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -86,6 +87,23 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         **moe_fields(args),
     )
+
+
+def yarn_fields(args: argparse.Namespace) -> dict:
+    """MLA's YaRN: Megatron's flags, None meaning MLATransformerConfig's defaults."""
+    out: dict = {
+        "rotary_scaling_factor": args.rotary_scaling_factor,
+        "mscale": args.mscale,
+        "mscale_all_dim": args.mscale_all_dim,
+    }
+    named = {
+        "yarn_original_max_position_embeddings": args.yarn_original_max_position_embeddings,
+        "yarn_beta_fast": args.yarn_beta_fast,
+        "yarn_beta_slow": args.yarn_beta_slow,
+        "yarn_correction_range_round_to_int": args.yarn_correction_range_round_to_int,
+    }
+    out.update({k: v for k, v in named.items() if v is not None})
+    return out
 
 
 def moe_fields(args: argparse.Namespace) -> dict:
