@@ -193,6 +193,12 @@ def test_losses_and_grads_match_single_process(parity, layout):
     for r in results:  # each layer's two norms live in its linears in the TE layout only
         layers = base.num_layers // layout[1]
         assert r["fused_norms"] == (2 * layers if layout[5] == "te-torch" else 0)
+    assert_matches_reference(base, results, layout, ref_losses, ref_grads)
+
+
+def assert_matches_reference(base, results, layout, ref_losses, ref_grads) -> dict:
+    """The last stage's per-token losses and every merged gradient equal the reference's
+    (TOL); returns the merged gradients."""
     last = [r for r in results if r["losses"]]
     assert last, "no rank reported losses"
     for r in last:
@@ -207,6 +213,7 @@ def test_losses_and_grads_match_single_process(parity, layout):
     assert sorted(grads) == sorted(ref_grads)
     for name, want in ref_grads.items():
         torch.testing.assert_close(grads[name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return grads
 
 
 @pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay[1] > 1 and lay[4]])
