@@ -93,6 +93,32 @@ LAYOUTS = {
             "8",
         ],
     ),
+    # world 8: multi-latent attention with q latent, latent norms and YaRN at tp2 x pp2
+    # (2 virtual stages) x dp2 with SP and ZeRO-1
+    "mla-tp2-pp2-dp2": (
+        8,
+        [
+            *TP2_PP2_VPP2_SP_ZERO1,
+            "--global-batch-size",
+            "8",
+            "--multi-latent-attention",
+            "--q-lora-rank",
+            "32",
+            "--kv-lora-rank",
+            "16",
+            "--qk-head-dim",
+            "16",
+            "--qk-pos-emb-head-dim",
+            "8",
+            "--v-head-dim",
+            "16",
+            "--qk-layernorm",
+            "--rotary-scaling-factor",
+            "4",
+            "--mscale-all-dim",
+            "1.0",
+        ],
+    ),
 }
 
 

@@ -74,6 +74,14 @@ def test_moe_step_runs_on_the_fake_gpu(tmp_path):
         assert r["iterations"] == 2
 
 
+def test_mla_step_runs_on_the_fake_gpu(tmp_path):
+    """MLA's latents, all-gathers and YaRN tables made on the device; bf16 GEMMs only."""
+    result = _ok(dry_run(tmp_path, "mla-tp2-pp2-dp2", "0,7"))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
+
+
 PLANTS = {
     # the batch built on the host: tp rank 0 broadcasts it over tp from the host
     "batch-on-host": ("0", "broadcast over group 'tp'", "device type cpu"),

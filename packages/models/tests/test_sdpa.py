@@ -109,3 +109,15 @@ def test_fake_gpu_runs_a_fused_kernel_in_every_dtype(dtype, monkeypatch):
     if dtype not in HALF:
         with pytest.raises(DeviceDisciplineError, match="math kernel"), FakeDevice():
             sdpa.grouped_sdpa(q, k, v, is_causal=True)
+
+
+def test_fake_gpu_takes_memory_efficient_for_a_value_head_of_its_own():
+    """MLA: q / k heads of d_qk + d_pe dims, v of d_v. CUDA's flash kernel needs one head
+    size for q, k and v, so the memory-efficient kernel runs, giving `[.., d_v]`."""
+    from pentatron.parallel_state.testing.fake_device import FakeDevice
+
+    q = k = torch.zeros(2, 4, 32, 24, dtype=torch.bfloat16, device="meta")
+    v = torch.zeros(2, 4, 32, 16, dtype=torch.bfloat16, device="meta")
+    with FakeDevice(compute_dtype=torch.bfloat16) as dev:
+        out = sdpa.grouped_sdpa(q, k, v, is_causal=True)
+    assert dev.sdpa_kernels == ["efficient"] and out.shape == (2, 4, 32, 16)

@@ -118,14 +118,21 @@ class GemmRecord:
 
 
 def cuda_sdpa_kernel(
-    query: torch.Tensor, key: torch.Tensor, attn_mask: Any, enable_gqa: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: Any,
+    enable_gqa: bool,
+    value: torch.Tensor | None = None,
 ) -> str:
-    """The SDPA kernel CUDA runs (sm80+): flash for bf16/fp16 without a mask and heads of at
-    most 256 dims (grouped k/v included), else memory-efficient, which does not take
-    grouped k/v: those fall back to the math kernel."""
+    """The SDPA kernel CUDA runs (sm80+): flash for bf16/fp16 without a mask and q, k, v
+    heads of one size, at most 256 dims (grouped k/v included), else memory-efficient
+    (which takes a value head size of its own, as MLA's), which does not take grouped k/v:
+    those fall back to the math kernel."""
     d = query.size(-1)
     grouped = enable_gqa and key.size(-3) != query.size(-3)
-    if query.dtype in (torch.bfloat16, torch.float16) and attn_mask is None and d <= 256:
+    same_dims = value is None or value.size(-1) == d
+    low = query.dtype in (torch.bfloat16, torch.float16)
+    if low and attn_mask is None and d <= 256 and same_dims:
         return "flash"
     return "math" if grouped else "efficient"
 
@@ -188,7 +195,7 @@ class FakeDevice(TorchDispatchMode):
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        kernel = cuda_sdpa_kernel(q, k, attn_mask, enable_gqa)
+        kernel = cuda_sdpa_kernel(q, k, attn_mask, enable_gqa, v)
         self.sdpa_kernels.append(kernel)
         if kernel == "math":
             raise DeviceDisciplineError(
