@@ -82,7 +82,6 @@ REFUSED_ON_CPU = {
         "--megatron-fsdp-main-grads-dtype",  # bf16 main grads
         "--wandb-project",
         "--ckpt-format",  # fsdp_dtensor
-        "--recompute-modules",  # mla_up_proj
     },
     "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": _MFSDP_BUFFERS
     | _FP8

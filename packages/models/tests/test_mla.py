@@ -247,3 +247,16 @@ def test_unsupported_combinations_fail_naming_the_field(overrides, field):
 def test_the_standard_spec_refuses_an_mla_config():
     with pytest.raises(ModelConfigError, match="multi_latent_attention=True"):
         GPTModel(_config(), get_gpt_layer_local_spec(), VOCAB, 16)
+
+
+def test_mla_up_proj_recompute_keeps_parity_under_tp_sp_and_pipeline(distributed):
+    """Recomputing the up-projections in backward re-runs their sequence all-gathers there:
+    tp2+SP and tp2-pp2-vpp2+SP still give the single-process losses and gradients."""
+    base = _config(recompute_granularity="selective", recompute_modules=["mla_up_proj"])
+    data = microbatches()
+    state, ref_losses, ref_grads = reference_run(base, data)
+    layouts = [(2, 1, None, True, True, "mla"), (2, 2, 2, True, True, "mla")]
+    per_rank = distributed.run(4, _all_layouts, base, layouts, {True: state}, data)
+    for i, layout in enumerate(layouts):
+        results = [r[i] for r in per_rank]
+        assert_matches_reference(base, results, layout, ref_losses, ref_grads)

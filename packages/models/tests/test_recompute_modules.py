@@ -6,7 +6,8 @@ backward), every other once; and the bytes autograd keeps alive after forward dr
 Kept bytes are the unique storages saved for backward, read after forward (so an
 output-discarding checkpoint's freed storage counts 0), parameters excluded. Measured
 drops (fp32, s=16, b=2, h=32): core_attn 221184, mlp 131072, layernorm 33792, moe 127824,
-moe_act 16384, shared_experts 32768 bytes. "layernorm" drops exactly each recomputed
+moe_act 16384, shared_experts 32768 bytes. "mla_up_proj" (MLA) frees q, k, v and RoPE's
+intermediates, which the core attention would keep. "layernorm" drops exactly each recomputed
 norm's output `[s, b, h]` and fp32 rstd `[s, b, 1]` (its saved input is the residual
 stream, kept either way); "moe_act" exactly fc2's input and silu(gate) `[s b k, F]`.
 """
@@ -47,6 +48,15 @@ def _moe():
     )
 
 
+def _mla():
+    mla = dict(q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4)
+    return small_config(**DROPOUT, multi_latent_attention=True, v_head_dim=6, **mla)
+
+
+def _mla_spec():
+    return get_gpt_layer_local_spec(multi_latent_attention=True)
+
+
 def _count(counts, key):
     def hook(module, args, output):
         n, ng = counts.get(key, (0, 0))
@@ -64,6 +74,8 @@ def _instrument(model):
             "layernorm": layer.input_layernorm,
             "mlp": layer.mlp,
         }
+        if hasattr(layer.self_attention, "linear_kv_up_proj"):  # MLA
+            parts["mla_up_proj"] = layer.self_attention.linear_kv_up_proj
         if isinstance(layer.mlp, MoELayer):
             parts["moe"] = layer.mlp.router  # runs inside the checkpointed MoE forward
             parts["shared_experts"] = layer.mlp.shared_experts
@@ -111,6 +123,7 @@ CASES = {  # module -> (config, spec builder)
     "moe": (_moe, moe_spec),
     "moe_act": (_moe, moe_spec),
     "shared_experts": (_moe, moe_spec),
+    "mla_up_proj": (_mla, _mla_spec),
 }
 _BASELINE: dict[str, tuple] = {}
 
@@ -187,7 +200,8 @@ def test_sequential_experts_recompute_the_activation_too():
 @pytest.mark.parametrize(
     "modules, match",
     [
-        (["mla_up_proj"], "multi-latent attention.*not in this release"),
+        (["mla_up_proj"], "'mla_up_proj' recomputes multi-latent attention"),
+        (["gdn_norm_out"], "GatedDeltaNet attention.*not in this release"),
         (["core_attn", "attn"], "'attn' is not a module name"),
         ("core_attn", "a list of module names"),
         (["moe_act"], "needs moe_grouped_gemm=True"),

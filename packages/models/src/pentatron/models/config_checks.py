@@ -15,10 +15,17 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 TOKEN_DISPATCHERS = ("allgather", "alltoall")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 # Megatron's recompute_modules that this release implements (see transformer_layer.py)
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "mlp",
+    "layernorm",
+    "moe",
+    "moe_act",
+    "shared_experts",
+    "mla_up_proj",
+)
 # Megatron's names for architectures this release does not have
 RECOMPUTE_MODULES_ELSEWHERE = {
-    "mla_up_proj": "multi-latent attention (MLA)",
     "gdn_norm_out": "GatedDeltaNet attention",
     "gdp_in_proj": "GatedDeltaProduct attention",
     "gdp_qkv": "GatedDeltaProduct attention",
@@ -85,6 +92,13 @@ def check_recompute_modules(c: Any) -> None:
                 f"{name!r} is not a module name; the names are {list(RECOMPUTE_MODULES)}",
                 f"use names from {list(RECOMPUTE_MODULES)}",
             )
+    if "mla_up_proj" in mods and not c.multi_latent_attention:
+        fail(
+            "recompute_modules",
+            list(mods),
+            "'mla_up_proj' recomputes multi-latent attention's up-projections",
+            "set multi_latent_attention=True or drop 'mla_up_proj'",
+        )
     if "moe_act" in mods and not c.moe_grouped_gemm:
         fail(
             "recompute_modules",

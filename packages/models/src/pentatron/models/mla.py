@@ -43,7 +43,7 @@ from pentatron.tp_layers import (
 )
 
 from .config import ModelConfigError, TransformerConfig
-from .recompute import recompute_now
+from .recompute import CheckpointWithoutOutput, recompute_now
 from .rope import apply_rotary_pos_emb, yarn_mscale
 from .spec import build_linear, build_module
 
@@ -165,40 +165,63 @@ class MLASelfAttention(torch.nn.Module):
             latent = scatter_to_sequence_parallel_region(latent, self.tp_group)
         return latent if norm is None else norm(latent)
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        """`[s(/t), b, h]` -> `[s, b, n/t, d_qk + d_pe]`."""
-        if self.config.q_lora_rank is None:
-            q, _ = self.linear_q_proj(x)
-        else:
-            latent = self._latent(self.linear_q_down_proj, x)
-            q, _ = self.linear_q_up_proj(self._to_norm(latent, self.q_layernorm))
-        return q.view(*q.shape[:2], self.heads, self.d_qk + self.d_pe)
-
-    def key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`[s(/t), b, h]` -> k_nope `[s, b, n/t, d_qk]`, v `[s, b, n/t, d_v]`, k_pe
-        `[s, b, 1, d_pe]`."""
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[s(/t), b, h]` -> the up-projections' inputs: q's (its normed latent, or x),
+        kv's normed latent (SP: `[s/t, ...]`), and k_pe `[s, b, 1, d_pe]` before RoPE."""
+        q_in = x
+        if self.config.q_lora_rank is not None:
+            q_in = self._to_norm(self._latent(self.linear_q_down_proj, x), self.q_layernorm)
         combined = self._latent(self.linear_kv_down_proj, x)
         latent, k_pe = torch.split(combined, [self.config.kv_lora_rank, self.d_pe], dim=-1)
         k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp_group)  # grad: sum over tp
-        kv, _ = self.linear_kv_up_proj(self._to_norm(latent, self.kv_layernorm))
+        return q_in, self._to_norm(latent, self.kv_layernorm), k_pe.unsqueeze(2)
+
+    def up_and_rope(
+        self, q_in: torch.Tensor, kv_in: torch.Tensor, k_pe: torch.Tensor, rotary: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections and RoPE: q, k `[s, b, n/t, d_qk + d_pe]`, v `[s, b, n/t, d_v]`."""
+        up_q = self.linear_q_proj if self.config.q_lora_rank is None else self.linear_q_up_proj
+        q, _ = up_q(q_in)
+        q = q.view(*q.shape[:2], self.heads, self.d_qk + self.d_pe)
+        kv, _ = self.linear_kv_up_proj(kv_in)
         kv = kv.view(*kv.shape[:2], self.heads, self.d_qk + self.d_v)
         k_nope, v = torch.split(kv, [self.d_qk, self.d_v], dim=-1)
-        return k_nope, v, k_pe.unsqueeze(2)
-
-    def forward(
-        self, hidden: torch.Tensor, attention_mask: Any = None, rotary: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[s, b, h]` (SP: `[s/t, b, h]`) -> (`[s, b, h]` (SP: `[s/t, b, h]`), bias)."""
-        q = self.query(hidden)
-        k_nope, v, k_pe = self.key_value(hidden)
         q_nope, q_pe = torch.split(q, [self.d_qk, self.d_pe], dim=-1)
         if rotary is not None:
             cos, sin = rotary
             q_pe, k_pe = apply_mla_rope(q_pe, cos, sin), apply_mla_rope(k_pe, cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        if recompute_now(self.config, "core_attn", self.training):
-            ctx = checkpoint(self.core_attention, q, k, v.contiguous(), attention_mask)
+        return q, k, v
+
+    def _packed_up_and_rope(self, q_in, kv_in, k_pe, cos, sin) -> torch.Tensor:
+        """`up_and_rope` as one tensor `[s, b, n/t, 2 (d_qk + d_pe) + d_v]` (q, k, v), what
+        an output-discarding checkpoint takes."""
+        rotary = None if cos is None else (cos, sin)
+        return torch.cat(self.up_and_rope(q_in, kv_in, k_pe, rotary), dim=-1)
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: Any = None, rotary: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`[s, b, h]` (SP: `[s/t, b, h]`) -> (`[s, b, h]` (SP: `[s/t, b, h]`), bias).
+
+        Selective recompute "mla_up_proj" (Megatron's): the up-projections and RoPE run
+        without keeping their outputs (q, k, v: what the core attention keeps), which are
+        recomputed from the latents just before the core attention's backward."""
+        q_in, kv_in, k_pe = self.latents(hidden)
+        up = None
+        if recompute_now(self.config, "mla_up_proj", self.training):
+            up = CheckpointWithoutOutput()
+            cos, sin = rotary if rotary is not None else (None, None)
+            qkv = up.checkpoint(self._packed_up_and_rope, q_in, kv_in, k_pe, cos, sin)
+            qk = self.d_qk + self.d_pe
+            q, k, v = torch.split(qkv, [qk, qk, self.d_v], dim=-1)
         else:
-            ctx = self.core_attention(q, k, v.contiguous(), attention_mask)
+            q, k, v = self.up_and_rope(q_in, kv_in, k_pe, rotary)
+        if recompute_now(self.config, "core_attn", self.training):
+            ctx = checkpoint(self.core_attention, q, k, v, attention_mask)
+        else:
+            ctx = self.core_attention(q, k, v, attention_mask)
+        if up is not None:
+            up.discard_output_and_register_recompute(ctx)
         return self.linear_proj(ctx)
