@@ -375,3 +375,44 @@ def test_mla_flops_follow_megatrons_mla_branch():
     q_change = 6 * (H * n * (d_qk + d_pe) - r_q * (H + n * (d_qk + d_pe) + 1))
     got = num_floating_point_operations(direct, S, V) - expected
     assert got == pytest.approx(S * L * q_change, rel=1e-12)
+
+
+@pytest.mark.parametrize("kw", [CONFIGS[1], CONFIGS[2]], ids=["tied-rope", "untied"])
+def test_mtp_parameter_count_equals_sum_of_tensor_sizes(kw):
+    config = _config(mtp_num_layers=2, **kw)
+    model = GPTModel(config, get_gpt_layer_local_spec(config.qk_layernorm), 100, 24)
+    assert any(n.startswith("mtp.layers.1.") for n, _ in model.named_parameters())
+    assert num_parameters(config, model.padded_vocab_size, 24) == num_parameters_in_model(model)
+
+
+def test_mtp_flops_follow_megatrons_mtp_terms():
+    """Megatron's MTP terms written out: D more layers (attention, core and MLP, dense here),
+    D more logit GEMMs, and per depth 6 (3 h + 2 h^2) for its norms and eh_proj."""
+    f, d = 4 * H, 2
+    attn = 6 * (H * 3 * H + H * H)  # MHA: q = kv = h
+    core = 6 * H * S  # per token: q k^T and p v over the causal half
+    layer = attn + core + 6 * H * f * 2
+    expected = S * ((L + d) * layer + 6 * H * V * (1 + d) + 6 * d * (3 * H + 2 * H * H))
+    config = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=4, mtp_num_layers=d)
+    assert num_floating_point_operations(config, S, V) == pytest.approx(expected, rel=1e-12)
+
+
+def test_mtp_layers_count_as_the_last_layers_mlp_kind():
+    """A first dense layer then MoE: the MTP layer is MoE (its routed + shared FLOPs)."""
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    config = TransformerConfig(
+        num_layers=L, hidden_size=H, num_attention_heads=4, moe_layer_freq=[0, 1, 1, 1], **moe
+    )
+    with_mtp = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=4,
+        moe_layer_freq=[0, 1, 1, 1],
+        mtp_num_layers=1,
+        **moe,
+    )
+    attn = 6 * (H * 3 * H + H * H) + 6 * H * S
+    moe_mlp = 6 * H * 16 * 2 * 2  # topk 2 x moe_ffn 16 x 2 GEMMs
+    extra = S * (attn + moe_mlp + 6 * H * V + 6 * (3 * H + 2 * H * H))
+    got = num_floating_point_operations(with_mtp, S, V) - num_floating_point_operations(config, S, V)
+    assert got == pytest.approx(extra, rel=1e-12)

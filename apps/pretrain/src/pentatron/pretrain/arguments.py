@@ -82,6 +82,18 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
     g.add_argument("--v-head-dim", type=int, default=128)
     g.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="multi-token prediction depths (DeepSeek-V3), on the last pipeline stage",
+    )
+    g.add_argument(
+        "--mtp-loss-scaling-factor",
+        type=float,
+        default=0.1,
+        help="weight of the MTP loss (averaged over the depths)",
+    )
+    g.add_argument(
         "--rope-type",
         default=None,
         choices=["rope", "yarn"],

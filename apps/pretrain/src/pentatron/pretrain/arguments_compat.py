@@ -54,8 +54,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep"]
     )
-    g.add_argument("--mtp-num-layers", type=int, default=None)
-    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
     g.add_argument(
         "--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"]
     )
@@ -160,11 +158,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "transformer-engine's cross-entropy kernel is not wired",
         "use --cross-entropy-fusion-impl native",
     ),
-    "mtp_num_layers": (
-        lambda v: v is not None,
-        "multi-token prediction is " + _LATER,
-        "drop --mtp-num-layers",
-    ),
     "softmax_type": (
         lambda v: v != "vanilla",
         "attention sinks (gpt-oss) are " + _LATER,
@@ -192,25 +185,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     ),
     "quick_geglu": (bool, "quick-GeGLU (gpt-oss) is " + _LATER, "use --swiglu"),
 }
-
-# The MTP loss weight means nothing without MTP (refused above); set to other than
-# Megatron's default it is refused rather than unused.
-_LATER_DEFAULTS = {
-    "mtp_loss_scaling_factor": (0.1, "multi-token prediction"),
-}
-
-
-def _differs_from(default: Any) -> Callable[[Any], bool]:
-    return lambda v: v != default
-
-
-for _dest, (_default, _feature) in _LATER_DEFAULTS.items():
-    _REFUSED[_dest] = (
-        _differs_from(_default),
-        f"{_feature} is " + _LATER,
-        f"drop --{_dest.replace('_', '-')}",
-    )
-
 
 _FLAG_OF = {
     "deprecated_use_mcore_models": "--use-mcore-models",

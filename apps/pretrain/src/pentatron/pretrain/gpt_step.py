@@ -58,7 +58,12 @@ def get_batch(
     return get_batch_on_this_cp_rank(out, grid.size("cp"), grid.rank("cp"))
 
 
-def loss_func(loss_mask: torch.Tensor | None, output: torch.Tensor, cp_group: Any = None):
+def loss_func(
+    loss_mask: torch.Tensor | None,
+    output: torch.Tensor,
+    cp_group: Any = None,
+    mtp_report: list[torch.Tensor] | None = None,
+):
     """Masked per-token loss: (sum of losses, token count, {"lm loss": [sum, count]}).
 
     `output` is the model's per-token loss [b, s] ([b, s/cp] with context parallelism). The
@@ -72,6 +77,8 @@ def loss_func(loss_mask: torch.Tensor | None, output: torch.Tensor, cp_group: An
     cp: DDP averages grads over dp x cp, so the cp ranks' grads add up to the grad of the
     full sequence's sum (Megatron's rule), in both per-micro-batch and per-token modes.
     `loss_mask` is None only on chunks that compute no loss (`forward_step` binds it).
+    `mtp_report`: the model's MTP depths' [sum, count] (already over cp), reported as
+    `"mtp_<k> loss"` beside "lm loss" (their grads are attached inside the model).
     """
     if loss_mask is None:
         raise ValueError(
@@ -87,7 +94,10 @@ def loss_func(loss_mask: torch.Tensor | None, output: torch.Tensor, cp_group: An
         comm.all_reduce(pair, group=cp_group)
         loss = loss * cp
     num_tokens = pair[1].to(torch.int)
-    return loss, num_tokens, {"lm loss": pair}
+    reported = {"lm loss": pair}
+    for depth, mtp_pair in enumerate(mtp_report or (), start=1):
+        reported[f"mtp_{depth} loss"] = mtp_pair
+    return loss, num_tokens, reported
 
 
 def forward_step(
@@ -96,13 +106,17 @@ def forward_step(
     """Megatron's forward_step: (output, loss_func bound to this micro-batch's mask)."""
     batch = get_batch(data_iterator, model, grid, micro_batch_size, seq_length)
     chunk = _unwrap(model)
-    tokens = batch["tokens"] if batch is not None and chunk.pre_process else None
-    position_ids = batch["position_ids"] if batch is not None and chunk.pre_process else None
+    embeds = chunk.pre_process or getattr(chunk, "mtp_process", False)  # MTP embeds too
+    tokens = batch["tokens"] if batch is not None and embeds else None
+    position_ids = batch["position_ids"] if batch is not None and embeds else None
     labels = batch["labels"] if batch is not None and chunk.post_process else None
-    output = model(tokens, position_ids, labels=labels)
     mask = batch["loss_mask"] if batch is not None else None
+    output = model(
+        tokens, position_ids, labels=labels, loss_mask=mask if labels is not None else None
+    )
     cp_group = grid.group("cp") if grid.size("cp") > 1 else None
-    return output, partial(loss_func, mask, cp_group=cp_group)
+    report = getattr(chunk, "mtp_report", None)
+    return output, partial(loss_func, mask, cp_group=cp_group, mtp_report=report)
 
 
 def make_forward_step(grid: ProcessGrid, micro_batch_size: int, seq_length: int):

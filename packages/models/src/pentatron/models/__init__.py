@@ -43,6 +43,7 @@ from .moe.aux_tracker import collect_moe_aux_losses, reset_moe_aux_losses
 from .moe.expert_bias import reset_expert_bias_counts, update_expert_bias
 from .moe.load_balancing import get_aux_loss_scale, set_aux_loss_scale
 from .moe.router import TopKRouter
+from .mtp import MultiTokenPredictionBlock, MultiTokenPredictionLayer, mtp_loss, roll_left
 from .norm import LayerNorm, Norm, RMSNorm
 from .parallel import ModelParallel
 from .recompute import CheckpointWithoutOutput
@@ -116,6 +117,10 @@ __all__ = [
     "MLASelfAttentionSubmodules",
     "SelfAttention",
     "apply_mla_rope",
+    "MultiTokenPredictionBlock",
+    "MultiTokenPredictionLayer",
+    "mtp_loss",
+    "roll_left",
     "SelfAttentionSubmodules",
     "TransformerBlock",
     "TransformerConfig",

@@ -21,6 +21,7 @@ from .config_checks import (
     check_context_parallel,
     check_mla,
     check_moe,
+    check_mtp,
     check_recompute_modules,
     fail,
 )
@@ -195,6 +196,9 @@ class TransformerConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_correction_range_round_to_int: bool = True
+    # --- multi-token prediction (DeepSeek-V3; config_checks.check_mtp; see mtp.py) ---
+    mtp_num_layers: int | None = None  # None: no MTP; else depths predicted past the next token
+    mtp_loss_scaling_factor: float = 0.1  # the MTP loss weight (averaged over the depths)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -211,6 +215,7 @@ class TransformerConfig:
         check_context_parallel(self)
         check_moe(self)
         check_mla(self)
+        check_mtp(self)
         self._check_cuda_graph()
 
     # --- defaults and simple checks ------------------------------------------------------------
@@ -484,6 +489,18 @@ class TransformerConfig:
         if isinstance(freq, int):
             return [i % freq == 0 for i in range(self.num_layers)]
         return [bool(x) for x in freq]
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Layer `layer_number` (1-based) has a MoE MLP. Numbers past `num_layers` are the
+        MTP layers (`num_layers + depth`): each is built like the last decoder layer
+        (Megatron's MTP spec is the decoder's last layer spec)."""
+        pattern = self.moe_layer_pattern()
+        return pattern[min(layer_number, self.num_layers) - 1]
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        """Decoder layers plus MTP layers (Megatron's count for aux-loss tracking)."""
+        return self.num_layers + (self.mtp_num_layers or 0)
 
     @property
     def share_embeddings_and_output_weights(self) -> bool:

@@ -412,3 +412,22 @@ def check_mla(c: Any) -> None:
                 f"tensor_model_parallel_size={t}",
                 f"use a size that tp={t} divides",
             )
+
+
+def check_mtp(c: Any) -> None:
+    """Multi-token prediction (`mtp_num_layers`): its sizes.
+
+    Supported with every layout (tp, sp, pp and vpp: the MTP layers sit on the last
+    pipeline stage, after its decoder layers; cp; ep), dense or MoE, recompute, either
+    attention. The MTP layers are built like the last decoder layer."""
+    if c.mtp_num_layers is None:
+        return
+    _positive("mtp_num_layers", c.mtp_num_layers)
+    value = c.mtp_loss_scaling_factor
+    if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+        fail(
+            "mtp_loss_scaling_factor",
+            value,
+            "a finite weight >= 0 of the MTP loss",
+            "use e.g. 0.1 (Megatron's default) or 0.3 (DeepSeek-V3's first phase)",
+        )

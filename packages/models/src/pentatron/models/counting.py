@@ -8,8 +8,10 @@ Megatron-LM's current formula (training.py `transformer_flops`), 6 = 3 GEMMs per
   core       6 L q s        (q k^T and p v; the causal mask keeps half of the s^2 scores)
   (multi-latent attention: Megatron's MLA branch, `_mla_flops_per_layer`)
   MLP        6 h (f g L_dense + (topk f_moe + f_shared) g L_moe)    g = 3 SwiGLU, else 2
-  logits     6 h V          (the output GEMM, tied or not)
-with L_moe the MoE layers of `moe_layer_freq`. Before Megatron core 0.12 the core term
+  logits     6 h V (1 + D)  (the output GEMM, tied or not, once per MTP depth too)
+  MTP        6 D (3 h + 2 h^2)   (its three norms and eh_proj; D = mtp_num_layers)
+with L_moe the MoE layers of `moe_layer_freq`. MTP layers count as D more layers in the
+attention and MLP terms, MoE if the last decoder layer is (Megatron's rule). Before Megatron core 0.12 the core term
 counted all s^2 scores (12 L q s). Without attention terms it is the familiar 6N.
 `num_floating_point_operations_per_rank` divides the model total by tp * pp * cp.
 """
@@ -78,6 +80,10 @@ def num_parameters(
     h = config.hidden_size
     n = config.num_layers * num_parameters_per_layer(config) + _norm_params(config, h)
     n += padded_vocab_size * h * (1 if tied else 2)
+    # MTP depths: enorm, hnorm, final norm, eh_proj [h, 2h], one layer (the embedding and
+    # output layer are the model's)
+    per_depth = 3 * _norm_params(config, h) + 2 * h * h + num_parameters_per_layer(config)
+    n += (config.mtp_num_layers or 0) * per_depth
     if config.position_embedding_type == "learned_absolute":
         n += max_sequence_length * h
     return n
@@ -94,13 +100,12 @@ _FWD_BWD_FMA = 3 * 2
 
 
 def _mlp_kinds(config: TransformerConfig) -> tuple[int, int]:
-    """(dense MLP layers, MoE layers) by `moe_layer_pattern` (moe_layer_freq int or list).
-
-    MTP would add `mtp_num_layers` here, as MoE if the last layer is MoE, else dense;
-    TransformerConfig has no MTP fields yet.
-    """
-    num_moe = sum(config.moe_layer_pattern())
-    return config.num_layers - num_moe, num_moe
+    """(dense MLP layers, MoE layers) by `moe_layer_pattern` (moe_layer_freq int or list),
+    the MTP layers counted as the last decoder layer's kind (Megatron's rule)."""
+    pattern = config.moe_layer_pattern()
+    pattern += [pattern[-1]] * (config.mtp_num_layers or 0)
+    num_moe = sum(pattern)
+    return len(pattern) - num_moe, num_moe
 
 
 def _mlp_flops_per_token(config: TransformerConfig) -> int:
@@ -163,11 +168,14 @@ def num_floating_point_operations(
     """
     tokens, squared = batch_size * seq_length, batch_size * seq_length * seq_length
     attn_linear, attn_core = _attention_flops_per_layer(config)
-    # Logits: one h -> V GEMM whether the output layer is tied or not. MTP (no config fields
-    # yet) would add its layers to the attention and MLP counts and one logit GEMM each.
-    logits = _FWD_BWD_FMA * config.hidden_size * padded_vocab_size
-    token_linear = _mlp_flops_per_token(config) + attn_linear * config.num_layers + logits
-    return float(tokens * token_linear + squared * attn_core * config.num_layers)
+    # Logits: one h -> V GEMM whether the output layer is tied or not, and one per MTP depth;
+    # MTP depths also add a layer each, their norms and eh_proj (Megatron's MTP terms).
+    h, mtp = config.hidden_size, config.mtp_num_layers or 0
+    layers = config.num_layers + mtp
+    logits = _FWD_BWD_FMA * h * padded_vocab_size * (1 + mtp)
+    mtp_extra = _FWD_BWD_FMA * mtp * (3 * h + 2 * h * h)
+    token_linear = _mlp_flops_per_token(config) + attn_linear * layers + logits + mtp_extra
+    return float(tokens * token_linear + squared * attn_core * layers)
 
 
 def flops_per_token(config: TransformerConfig, seq_length: int, padded_vocab_size: int) -> float:

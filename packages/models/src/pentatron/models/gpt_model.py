@@ -18,6 +18,13 @@ Tied input/output embeddings (`share_embeddings_and_output_weights`, default: no
 all-reduce over the grid's embedding group). Both copies carry `shared_embedding=True`,
 so `sync_grads` (or pentatron.optim's finalize_model_grads) all-reduces their grads over
 the embedding group and an optimizer step keeps them identical.
+
+Multi-token prediction (`config.mtp_num_layers`, mtp.py) runs on the last stage after the
+final norm, in training with labels; it needs the embedding there, so with pp > 1 the last
+stage holds a copy of the embedding (word and learned position tables), tied to the first
+stage's as above, and a tied output layer reads that copy. `forward` then also takes the
+input ids and positions on the last stage, and `loss_mask`; each depth's (loss sum, token
+count) of the last forward is in `mtp_report`.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from pentatron.tp_layers import (
 from .config import ModelConfigError, TransformerConfig
 from .context_parallel import cp_positions
 from .embedding import LanguageModelEmbedding
+from .mtp import MultiTokenPredictionBlock, mtp_loss
 from .parallel import ModelParallel
 from .rope import RotaryEmbedding
 from .transformer_block import TransformerBlock
@@ -79,6 +87,9 @@ class GPTModel(torch.nn.Module):
         chunks = config.virtual_pipeline_model_parallel_size or 1
         self.pre_process = par.is_first_stage() if pre_process is None else pre_process
         self.post_process = par.is_last_stage(chunks) if post_process is None else post_process
+        # MTP sits on the last stage (Megatron's rule without a custom pipeline layout)
+        self.mtp_process = bool(config.mtp_num_layers) and self.post_process
+        self.mtp_report: list[torch.Tensor] = []
         self.vp_stage = vp_stage
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.padded_vocab_size = pad_vocab_size(
@@ -94,7 +105,7 @@ class GPTModel(torch.nn.Module):
 
     def _build(self, spec: Any) -> None:
         config, par = self.config, self.parallel
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config,
                 self.padded_vocab_size,
@@ -114,6 +125,10 @@ class GPTModel(torch.nn.Module):
             tp_size=par.tp_size,
             parallel=par,  # MoE layers take their ep/etp groups from the model's grid
         )
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(
+                config, spec, tp_group=par.tp_group, tp_size=par.tp_size, parallel=par
+            )
         if par.cp_size > 1:
             self._set_cp_group(par.group("cp"))
         if self.post_process:
@@ -123,7 +138,7 @@ class GPTModel(torch.nn.Module):
                 tp_group=par.tp_group,
                 bias=False,
                 init_method=init_method_normal(config.init_method_std),
-                skip_weight_param_allocation=self.pre_process
+                skip_weight_param_allocation=self.has_embedding
                 and self.share_embeddings_and_output_weights,
                 sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype,
@@ -134,7 +149,7 @@ class GPTModel(torch.nn.Module):
     def _tag_embedding_and_output(self) -> None:
         """Megatron's `is_embedding_or_output_parameter`: the word embedding and the output
         layer's weight (an optimizer may give them their own lr, `decoupled_lr`)."""
-        if self.pre_process:
+        if self.has_embedding:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
@@ -145,6 +160,10 @@ class GPTModel(torch.nn.Module):
         attentions: list[Any] = [m for m in self.decoder.modules() if hasattr(m, "set_cp_group")]
         for module in attentions:
             module.set_cp_group(group)
+        if self.mtp_process:  # the MTP block (its rolls) and its layers' attention
+            owners: list[Any] = [m for m in self.mtp.modules() if hasattr(m, "set_cp_group")]
+            for module in owners:
+                module.set_cp_group(group)
         if self.decoder.layers and not attentions:
             raise ModelConfigError(
                 f"context_parallel_size={self.config.context_parallel_size} but the layer "
@@ -153,29 +172,53 @@ class GPTModel(torch.nn.Module):
                 "get_gpt_layer_local_spec() or context_parallel_size=1"
             )
 
+    @property
+    def has_embedding(self) -> bool:
+        """This chunk holds an embedding: the first stage's, or the MTP stage's copy."""
+        return self.pre_process or self.mtp_process
+
+    def _embedding_tables(self) -> list[torch.nn.Parameter]:
+        tables = [self.embedding.word_embeddings.weight]
+        if self.embedding.add_position_embedding:
+            tables.append(self.embedding.position_embeddings.weight)
+        return tables
+
     def _setup_tied_output_weight(self) -> None:
-        """Mark the tied copies and make the last stage's copy equal the first stage's."""
-        if not self.share_embeddings_and_output_weights:
-            return
+        """Mark the tied copies and make the last stage's copies equal the first stage's.
+
+        Tied on the first and last stage (pp > 1), in this order on both: the embedding
+        tables when MTP needs them on the last stage, else the tied output weight."""
         if self.pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
-        if self.post_process and not self.pre_process:
-            if self.parallel.pp_rank == 0:
-                raise ModelConfigError(
-                    "post_process=True, pre_process=False on pipeline rank 0 with tied "
-                    "embeddings: the rule: the output layer's tied copy lives on the last "
-                    "stage; fix: leave pre_process/post_process as None"
-                )
-            weight = self.output_layer.weight
-            weight.shared_embedding, weight.shared = True, True
+            first = []
+            if self.share_embeddings_and_output_weights:
+                first.append(self.embedding.word_embeddings.weight)
+            if self.config.mtp_num_layers and not self.post_process:
+                first = self._embedding_tables()
+            for weight in first:
+                weight.shared_embedding = True  # type: ignore[attr-defined]
+        copies: list[torch.nn.Parameter] = []
+        if self.mtp_process and not self.pre_process:
+            copies = self._embedding_tables()
+        elif (
+            self.post_process and not self.pre_process and self.share_embeddings_and_output_weights
+        ):
+            copies = [self.output_layer.weight]
+        if copies and self.parallel.pp_rank == 0:
+            raise ModelConfigError(
+                "post_process=True, pre_process=False on pipeline rank 0 with tied "
+                "embeddings or MTP: the rule: the embedding's copy lives on the last stage; "
+                "fix: leave pre_process/post_process as None"
+            )
+        for weight in copies:
+            weight.shared_embedding = weight.shared = True  # type: ignore[attr-defined]
             with torch.no_grad():
                 weight.fill_(0.0)
         if self.pre_process != self.post_process:
             group = self.parallel.embedding_group()
+            tied = [p for p in self.parameters() if getattr(p, "shared_embedding", False)]
             if group is not None:
-                tied = self.shared_embedding_or_output_weight()
-                assert tied is not None, "pre_process != post_process: this stage holds one"
-                comm.all_reduce(tied.data, group=group)
+                for weight in tied:  # the first stage's values reach the zeroed copies
+                    comm.all_reduce(weight.data, group=group)
 
     # --- pipeline interface --------------------------------------------------------------------
     def set_input_tensor(self, input_tensor: Any) -> None:
@@ -187,7 +230,7 @@ class GPTModel(torch.nn.Module):
         self.decoder.set_input_tensor(input_tensor[0])
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
-        if self.pre_process:
+        if self.has_embedding:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -207,6 +250,7 @@ class GPTModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         *,
+        loss_mask: torch.Tensor | None = None,
         gather_logits: bool | None = None,
     ) -> torch.Tensor:
         """ids `[b, s]` -> hidden `[s(/t), b, h]` | logits `[b, s, V_pad(/t)]` | loss `[b, s]`.
@@ -219,6 +263,10 @@ class GPTModel(torch.nn.Module):
         position_ids (GLOBAL positions) and labels are the rank's shard
         (`context_parallel.get_batch_on_this_cp_rank`), and the loss is `[b, s/cp]`.
         position_ids=None means the global positions of the rank's chunks.
+
+        With MTP, in training with labels, the last stage also needs `input_ids` (and
+        `position_ids` for learned positions); `loss_mask` `[b, s(/cp)]` (None: every
+        token) weighs the MTP loss, whose grad joins the main loss's in backward.
         """
         if self.parallel.cp_size > 1 and position_ids is None:
             position_ids = self._cp_position_ids(input_ids)
@@ -231,8 +279,13 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return hidden
         weight = None
-        if self.share_embeddings_and_output_weights and self.pre_process:
+        if self.share_embeddings_and_output_weights and self.has_embedding:
             weight = self.embedding.word_embeddings.weight
+        self.mtp_report = []
+        if self.mtp_process and labels is not None and self.training:
+            hidden = self._with_mtp_loss(
+                hidden, input_ids, position_ids, attention_mask, rotary, labels, loss_mask, weight
+            )
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad / t]
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()
@@ -246,6 +299,38 @@ class GPTModel(torch.nn.Module):
             logits, labels.transpose(0, 1).contiguous(), self.parallel.tp_group
         )
         return loss.transpose(0, 1).contiguous()
+
+    def _with_mtp_loss(
+        self, hidden, input_ids, position_ids, mask, rotary, labels, loss_mask, weight
+    ) -> torch.Tensor:
+        """h_0 `[s(/t), b, h]` with the MTP loss of every depth attached (mtp.py)."""
+        if input_ids is None:
+            raise ValueError(
+                "GPTModel.forward with mtp_num_layers on the last pipeline stage got no "
+                "input_ids: the rule: MTP embeds the shifted inputs there; fix: pass the "
+                "micro-batch's tokens (and position ids) to the last stage too"
+            )
+        if position_ids is None:
+            s = input_ids.size(-1)
+            position_ids = torch.arange(s, device=input_ids.device)[None].expand_as(input_ids)
+        outputs = self.mtp(input_ids, position_ids, hidden, mask, rotary, self.embedding)
+
+        def logits_fn(h: torch.Tensor) -> torch.Tensor:
+            logits, _ = self.output_layer(h, weight=weight)
+            return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+        cp_group = self.parallel.group("cp") if self.parallel.cp_size > 1 else None
+        hidden, self.mtp_report = mtp_loss(
+            hidden,
+            outputs,
+            labels,
+            loss_mask,
+            logits_fn,
+            self.config,
+            tp_group=self.parallel.tp_group,
+            cp_group=cp_group,
+        )
+        return hidden
 
     def _cp_position_ids(self, input_ids: Any) -> torch.Tensor:
         """`[1, s/cp]`: the global positions of this cp rank's chunks."""

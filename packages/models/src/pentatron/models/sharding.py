@@ -12,6 +12,7 @@ Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
 | self_attention.linear_proj.weight [h, nq d]  | dim 1              | columns r nq d/t ...     |
 | MLA: linear_q_proj, linear_{q,kv}_{down,up}_proj .weight | dim 0, contiguous | rows r out/t ... |
 | mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
+| MTP: mtp.layers.{k}.eh_proj.weight [h, 2h]   | dim 0, contiguous  | rows r h/t ...           |
 | norms, position embeddings, row biases       | replicated         | the full tensor          |
 | mlp.router.weight / .expert_bias, gate_weight| replicated         | the full tensor          |
 | mlp.experts.linear_fc1.weight [E, F1, h]     | ep dim 0, etp dim 1 (stride 2 swiglu) |  |
@@ -31,6 +32,9 @@ Layer indices: a chunk's state dict uses local indices (`decoder.layers.{i}`); g
 layer = `model.layer_offset + i` (`global_param_name` / `local_param_name`). With tied
 embeddings and pp > 1 the last stage holds `output_layer.weight`, a copy of
 `embedding.word_embeddings.weight` (shard it like that one); with one stage it is absent.
+MTP layers (`mtp.layers.{k}.`, all on the last stage) keep their names; their inner
+`mtp_model_layer.` follows the decoder layer's rules. With MTP and pp > 1 the last stage
+holds a copy of the embedding under the same names.
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 _COLUMN = re.compile(
     r"\.(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
-    r"|linear_kv_down_proj|linear_kv_up_proj)\.(weight|bias)$"
+    r"|linear_kv_down_proj|linear_kv_up_proj|eh_proj)\.(weight|bias)$"
 )
 _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _REPLICATED = re.compile(
     r"(layernorm\.(weight|bias)|layer_norm_(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
-    r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight)$"
+    r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight"
+    r"|(enorm|hnorm)\.(weight|bias))$"
 )
 # A layer's separate norm (local spec) -> the same norm fused into the next linear (TE spec).
 FUSED_NORMS = {
@@ -63,7 +68,7 @@ FUSED_NORMS = {
 }
 _FUSED_TO_LOCAL = {fused: local for local, fused in FUSED_NORMS.items()}
 _FUSED_NORM = re.compile(
-    r"^(decoder\.layers\.\d+\.)("
+    r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.mtp_model_layer\.)("
     + "|".join(re.escape(f) for f in _FUSED_TO_LOCAL)
     + r")(?=(weight|bias)$)"
 )

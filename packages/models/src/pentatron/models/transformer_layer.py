@@ -95,7 +95,7 @@ class TransformerLayer(torch.nn.Module):
             init_method=init,
             output_layer_init_method=out_init,
         )
-        self.is_moe_layer = moe = config.moe_layer_pattern()[layer_number - 1]
+        self.is_moe_layer = moe = config.is_moe_layer(layer_number)
         norm = submodules.moe_pre_mlp_layernorm if moe else None
         self.pre_mlp_layernorm = build_module(norm or submodules.pre_mlp_layernorm, config, h)
         self.mlp = self._build_mlp(submodules, tp_group, parallel, init, out_init)
@@ -114,7 +114,7 @@ class TransformerLayer(torch.nn.Module):
     def _build_mlp(self, submodules, tp_group, parallel, init, out_init) -> Any:
         """The dense MLP, or the MoE layer where `config.moe_layer_pattern()` says so."""
         config = self.config
-        if not config.moe_layer_pattern()[self.layer_number - 1]:
+        if not config.is_moe_layer(self.layer_number):
             return build_module(
                 submodules.mlp,
                 config,

@@ -22,7 +22,8 @@ With FSDP2 (`--use-torch-fsdp2`) a rank holds only rows `[lo, hi)` of dim 0 of i
 falls there, and every dp rank writes its own rows.
 
 The tied `output_layer.weight` of the last stage (pp > 1) is a copy of the embedding: it
-maps to the embedding's rectangles and is never written. Who writes a rectangle: dense
+maps to the embedding's rectangles and is never written. So is the last stage's embedding
+with multi-token prediction at pp > 1 (a copy of the first stage's, under the same names). Who writes a rectangle: dense
 tensors dp rank 0 (and tp rank 0 if replicated over tp), expert tensors edp rank 0 (and
 etp rank 0 if replicated over etp): exactly one writer per value.
 """
@@ -70,6 +71,7 @@ class ShardInfo:
     etp_rank: int = 0
     etp_size: int = 1
     edp_writer: bool = True  # edp rank 0: writes the expert tensors of its (ep, etp) shard
+    embedding_copy: bool = False  # `embedding.*` is the first stage's copy (MTP, pp > 1)
 
 
 def _split(key, shape, dim, rank, size, start, stop, writer) -> Rect:
@@ -107,6 +109,8 @@ def param_rects(local_name: str, shape: tuple[int, ...], info: ShardInfo) -> lis
     writer = info.dp_writer
     if name == "output_layer.weight" and info.tied_output:
         name, writer = EMBEDDING, False
+    if info.embedding_copy and name.startswith("embedding."):
+        writer = False
     rule = param_sharding(name, info.config)
     if rule.vocab:
         return _vocab_rect(name, shape, info, writer)
@@ -179,4 +183,5 @@ def shard_info(chunk, tp_rank: int, tp_size: int, grid=None) -> ShardInfo:
         vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size,
         tied_output=bool(model.share_embeddings_and_output_weights),
+        embedding_copy=bool(getattr(model, "mtp_process", False)) and not model.pre_process,
     )

@@ -51,6 +51,13 @@ class MemoryPlan:
                 "is); fix: size the run without the flag for now, or measure it with "
                 "torchrun -m pentatron.pretrain.memory.measure"
             )
+        if self.config.mtp_num_layers:
+            raise MemoryPlanError(
+                "--mtp-num-layers: the plan sizes the decoder only; the MTP layers, their "
+                "logits and the last stage's embedding copy are not sized yet; fix: size the "
+                "run without the flag for now, or measure it with "
+                "torchrun -m pentatron.pretrain.memory.measure"
+            )
 
     @property
     def tp(self) -> int:

@@ -48,6 +48,9 @@ def format_train_line(
     if record.get("global_batch_size") is not None:
         parts.append(f"global batch size: {record['global_batch_size']:5d}")
     parts.append(f"lm loss: {_fmt(record.get('lm_loss'), '.6E')}")
+    for key, value in record.items():  # MTP depths (Megatron's `mtp_<k> loss`)
+        if key.startswith("mtp_") and key.endswith("_loss"):
+            parts.append(f"{key[: -len('_loss')]} loss: {_fmt(value, '.6E')}")
     for key, value in record.items():  # MoE aux losses (mean over the MoE layers)
         if key.startswith("moe_") and not key.endswith("_per_layer"):
             parts.append(f"{key[len('moe_') :]}: {_fmt(value, '.6E')}")

@@ -53,6 +53,7 @@ class IntervalSummary:
     memory_bytes: int | None
     moe_losses: dict[str, list[float]] | None = None  # MoE aux loss -> per-layer mean
     params_norm: float | None = None  # the last iteration's (--log-params-norm)
+    mtp_losses: dict[str, float] | None = None  # "mtp_<k> loss" -> mean over the interval
 
 
 @dataclass
@@ -72,6 +73,8 @@ class IntervalStats:
     memory_bytes: int | None = None
     moe_sum: dict[str, list[float]] = field(default_factory=dict)
     moe_count: int = 0
+    mtp_sum: dict[str, float] = field(default_factory=dict)
+    mtp_count: dict[str, int] = field(default_factory=dict)
 
     def add(
         self, metrics: dict[str, Any], tokens: float | None = None, flops: float | None = None
@@ -106,6 +109,10 @@ class IntervalStats:
         memory = metrics.get("memory")
         if memory is not None:
             self.memory_bytes = max(int(memory), self.memory_bytes or 0)
+        for name, value in (metrics.get("mtp_losses") or {}).items():
+            if value is not None and math.isfinite(value) and not skipped:
+                self.mtp_sum[name] = self.mtp_sum.get(name, 0.0) + float(value)
+                self.mtp_count[name] = self.mtp_count.get(name, 0) + 1
         if metrics.get("moe_losses"):
             self.moe_count += 1
             for name, layers in metrics["moe_losses"].items():
@@ -136,10 +143,16 @@ class IntervalStats:
             }
             or None,
             params_norm=self.last.get("params_norm"),
+            mtp_losses={name: v / self.mtp_count[name] for name, v in self.mtp_sum.items()} or None,
         )
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+
+def mtp_record(mtp_losses: dict[str, float] | None) -> dict[str, Any]:
+    """Record fields of the MTP depths: `mtp_<k>_loss` from Megatron's `mtp_<k> loss`."""
+    return {name.replace(" ", "_"): value for name, value in (mtp_losses or {}).items()}
 
 
 def moe_record(moe_losses: dict[str, list[float]] | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .console import ConsoleSink, format_eval_lines, format_train_line
-from .interval import IntervalStats, moe_record
+from .interval import IntervalStats, moe_record, mtp_record
 from .sinks import (
     JsonlSink,
     Scalar,
@@ -183,6 +183,7 @@ class TrainingLogger:
                 key: metrics.get(key)
                 for key in ("lr", "grad_norm", "loss_scale", "num_zeros", "params_norm")
             },
+            **mtp_record(metrics.get("mtp_losses")),
         }
 
     def _tokens(self, metrics: dict[str, Any], batch: int | None) -> float | None:
@@ -234,6 +235,7 @@ class TrainingLogger:
             "memory_bytes": memory,
             "params_norm": s.params_norm,
             **moe_record(s.moe_losses),
+            **mtp_record(s.mtp_losses),
             "eta_s": dt * max(0, self.train_iters - iteration) if dt is not None else None,
         }
 

@@ -57,9 +57,15 @@ def _vs_samples(record: dict[str, Any], pairs: dict[str, str]) -> list[Scalar]:
 def iteration_scalars(record: dict[str, Any]) -> list[Scalar]:
     """Loss, lr, grad / params norm, loss scale, batch size of `record` (one iteration's, or
     an interval's), also against consumed samples for the loss and the params norm."""
-    return _pick(record, ITERATION_TAGS, record["iteration"]) + _vs_samples(
+    # MTP depths under Megatron's tags, `mtp_<k> loss`
+    mtp = {key[: -len("_loss")] + " loss": key for key in record if _is_mtp_key(key)}
+    return _pick(record, {**ITERATION_TAGS, **mtp}, record["iteration"]) + _vs_samples(
         record, {"lm loss": "lm_loss", "params-norm": "params_norm"}
     )
+
+
+def _is_mtp_key(key: str) -> bool:
+    return key.startswith("mtp_") and key.endswith("_loss")
 
 
 def interval_scalars(

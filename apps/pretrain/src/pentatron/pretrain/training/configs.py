@@ -74,6 +74,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
         v_head_dim=args.v_head_dim,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         **yarn_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -156,6 +156,7 @@ class Trainer:
                 "consumed_samples": state.consumed_samples,
                 "global_batch_size": global_batch_size(args, state.consumed_samples),
                 "moe_losses": out.moe_losses,
+                "mtp_losses": out.mtp_losses,
                 "params_norm": (
                     params_norm(self.optimizer, bool(getattr(args, "num_experts", None)))
                     if args.log_params_norm

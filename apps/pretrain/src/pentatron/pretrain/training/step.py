@@ -40,6 +40,7 @@ class StepOutput:
     num_zeros: int | None
     loss_scale: float | None
     moe_losses: dict[str, list[float]] | None = None  # name -> per-layer value (MoE only)
+    mtp_losses: dict[str, float | None] | None = None  # "mtp_<k> loss" -> mean (last stage)
 
 
 def _loss_pair(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> torch.Tensor | None:
@@ -50,6 +51,21 @@ def _loss_pair(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> tor
     total = torch.stack([r["lm loss"] for r in reduced]).sum(0).double()
     comm.all_reduce(total, group=grid.group("dp"))
     return total
+
+
+def _mtp_pairs(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> torch.Tensor | None:
+    """`[D, 2]` (loss sum, token count) of each MTP depth, summed over micro-batches and dp
+    like the lm loss's; None without MTP or off the last stage."""
+    names = sorted((k for k in reduced[0] if k.startswith("mtp_")), key=_depth) if reduced else []
+    if not names:
+        return None
+    total = torch.stack([torch.stack([r[k] for k in names]) for r in reduced]).sum(0).double()
+    comm.all_reduce(total, group=grid.group("dp"))
+    return total
+
+
+def _depth(name: str) -> int:
+    return int(name.split("_", 1)[1].split(" ", 1)[0])  # "mtp_<k> loss" -> k
 
 
 def _mean(pair: list[float] | None) -> float | None:
@@ -95,7 +111,8 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
                 c.scale_gradients(factor)
 
     hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
-    if getattr(args, "num_experts", None):
+    if getattr(args, "num_experts", None) or getattr(args, "mtp_num_layers", None):
+        # MoE aux losses and the MTP loss get the main loss's grad scale in backward
         from pentatron.models import set_aux_loss_scale
 
         hooks["aux_loss_scale_func"] = set_aux_loss_scale
@@ -153,15 +170,22 @@ def train_step(
         c.zero_grad_buffer()
     reduced = run_schedule(args, chunks, iterators, forward_step, pcfg, grid, num_microbatches)
     flags = _nonfinite_flags(reduced, chunks, grid, args.check_for_nan_in_loss_and_grad)
-    pair = _loss_pair(reduced, grid)
+    pair, mtp = _loss_pair(reduced, grid), _mtp_pairs(reduced, grid)
     # The step's one host read before the optimizer (which reads the grad norm).
-    host = (flags if pair is None else torch.cat([flags, pair])).tolist()
+    parts = [flags] + ([] if pair is None else [pair]) + ([] if mtp is None else [mtp.flatten()])
+    host = torch.cat(parts).tolist()
     finite = not (host[0] or host[1])
-    loss = _mean(host[2:] or None)
+    loss = _mean(host[2:4] or None)
+    mtp_losses: dict[str, float | None] | None = None
+    if mtp is not None:
+        values = host[4:]
+        mtp_losses = {
+            f"mtp_{k + 1} loss": _mean(values[2 * k : 2 * k + 2]) for k in range(len(values) // 2)
+        }
     moe = _moe_losses(args, chunks, grid)
     if not finite:
         _expert_bias_step(args, chunks, grid, applied=False)
-        return StepOutput(loss, False, False, None, None, None, moe)
+        return StepOutput(loss, False, False, None, None, None, moe, mtp_losses)
     result = optimizer.step()
     _expert_bias_step(args, chunks, grid, applied=result.update_successful)
     return StepOutput(
@@ -172,6 +196,7 @@ def train_step(
         result.num_zeros_in_grad,
         result.loss_scale,
         moe,
+        mtp_losses,
     )
 
 

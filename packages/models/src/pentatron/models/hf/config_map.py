@@ -241,6 +241,9 @@ def _check_representable(config: TransformerConfig) -> None:
         ("position_embedding_type", config.position_embedding_type, "rope"),
         ("rotary_percent", config.rotary_percent, 1.0),
         ("qk_layernorm", config.qk_layernorm, False),
+        # DeepSeek-V3's form (MLA, MTP) is not mapped yet; Llama's would drop them silently
+        ("multi_latent_attention", config.multi_latent_attention, False),
+        ("mtp_num_layers", config.mtp_num_layers, None),
     )
     for name, value, want in rules:
         if value != want:

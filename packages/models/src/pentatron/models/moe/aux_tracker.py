@@ -64,7 +64,8 @@ def _num_layers(model_chunks: Any, routers: list[_Router]) -> int:
     for owner in [*routers, *chunks]:
         config = getattr(owner, "config", None)
         if config is not None and hasattr(config, "num_layers"):
-            return int(config.num_layers)
+            # MTP layers (Megatron's tracking) follow the decoder's: num_layers + depth
+            return int(config.num_layers + (getattr(config, "mtp_num_layers", None) or 0))
     raise ValueError(
         "collect_moe_aux_losses: no router and no chunk with .config.num_layers; fix: pass "
         "num_layers= explicitly"
