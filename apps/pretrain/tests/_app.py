@@ -75,7 +75,8 @@ def train_record(argv: list[str], plant: str | None = None) -> dict[str, list]:
     """Run the app on this worker's ranks, with the bug `plant` names planted (see PLANTS).
 
     Returns {"losses": per iteration (None off the last stage), "grad_norms": per
-    iteration, every rank, before clipping}.
+    iteration, every rank, before clipping, "mtp_losses": per iteration, each MTP depth's
+    loss (None without MTP or off the last stage)}.
     """
     import contextlib
 
@@ -91,14 +92,15 @@ def train_record(argv: list[str], plant: str | None = None) -> dict[str, list]:
             state = pretrain(args)
         finally:
             destroy_model_parallel()
-    return {"losses": state.losses, "grad_norms": state.grad_norms}
+    return {"losses": state.losses, "grad_norms": state.grad_norms, "mtp_losses": state.mtp_losses}
 
 
 # Bugs the parity tests must see, each planted in the real code for one run:
 #   grad_x2 / grad_x0.5: every gradient scaled (the loss a schedule back-propagates);
 #   no_microbatch_average: the 1/micro-batches factor dropped;
-#   dp_sum: DDP's grad reduce sums over dp instead of averaging.
-PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
+#   dp_sum: DDP's grad reduce sums over dp instead of averaging;
+#   mtp_local_counts: each cp rank's MTP loss divided by its own token counts.
+PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum", "mtp_local_counts")
 
 
 def _planted(plant: str):
@@ -124,6 +126,10 @@ def _planted(plant: str):
             return buffer(*a, **kw)
 
         return mock.patch.object(ddp, "ParamAndGradBuffer", summing)
+    if plant == "mtp_local_counts":
+        from pentatron.models import mtp
+
+        return mock.patch.object(mtp, "_summed_over", lambda t, group: t)
     raise ValueError(f"plant {plant!r}: one of {PLANTS}")
 
 

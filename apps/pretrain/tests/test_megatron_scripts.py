@@ -78,7 +78,6 @@ REFUSED_ON_CPU = {
     "examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh": _MFSDP_BUFFERS
     | {
         "--moe-token-dispatcher-type",  # flex: DeepEP / HybridEP kernels
-        "--mtp-num-layers",
         "--megatron-fsdp-main-grads-dtype",  # bf16 main grads
         "--wandb-project",
         "--ckpt-format",  # fsdp_dtensor
@@ -297,7 +296,7 @@ def test_kernel_choices_are_named_at_start_up():
         (["--multi-latent-attention"], "--position-embedding-type"),  # MLA needs RoPE
         (["--kv-lora-rank", "512"], "--kv-lora-rank"),  # an MLA shape without MLA
         (["--rotary-scaling-factor", "40"], "--rotary-scaling-factor"),  # YaRN
-        (["--mtp-num-layers", "1"], "--mtp-num-layers"),
+        (["--mtp-num-layers", "0"], "--mtp-num-layers"),  # a bad value, by name
         (["--softmax-type", "learnable"], "--softmax-type"),
         (["--window-size", "127,0"], "--window-size"),
         (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),

@@ -414,5 +414,7 @@ def test_mtp_layers_count_as_the_last_layers_mlp_kind():
     attn = 6 * (H * 3 * H + H * H) + 6 * H * S
     moe_mlp = 6 * H * 16 * 2 * 2  # topk 2 x moe_ffn 16 x 2 GEMMs
     extra = S * (attn + moe_mlp + 6 * H * V + 6 * (3 * H + 2 * H * H))
-    got = num_floating_point_operations(with_mtp, S, V) - num_floating_point_operations(config, S, V)
+    got = num_floating_point_operations(with_mtp, S, V) - num_floating_point_operations(
+        config, S, V
+    )
     assert got == pytest.approx(extra, rel=1e-12)

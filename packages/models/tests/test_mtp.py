@@ -352,3 +352,39 @@ def test_an_untied_embedding_copy_is_caught(distributed):
 def test_bad_values_fail_naming_the_field(overrides, field):
     with pytest.raises(ModelConfigError, match=field):
         small_config(**overrides)
+
+
+# ---- the roll under context parallelism -------------------------------------------------------
+
+
+def _cp_rolls(seq: int):
+    """Each cp size: this rank's roll of its load-balanced shard."""
+    from pentatron.models.context_parallel import shard_for_cp_rank
+
+    full = torch.arange(1, 2 * seq + 1).view(2, seq)  # [b, s], no zeros
+    out = {}
+    for cp in (2, 4):
+        grid = initialize_model_parallel(ParallelConfig(cp=cp))  # dp = 4 / cp
+        try:
+            r = grid.rank("cp")
+            out[cp] = (r, mtp.roll_left(shard_for_cp_rank(full, cp, r), grid.group("cp")))
+        finally:
+            destroy_model_parallel(grid)
+    return out
+
+
+def test_roll_left_under_cp_equals_the_full_roll_sharded(distributed):
+    """cp2 and cp4: every chunk's last slot takes the next chunk's first element (held by
+    another rank), the sequence's last slot is 0."""
+    from pentatron.models.context_parallel import shard_for_cp_rank
+
+    seq = 16
+    full = torch.arange(1, 2 * seq + 1).view(2, seq)
+    want = mtp.roll_left(full)
+    assert want[:, -1].eq(0).all() and want[0, 0] == 2
+    per_rank = distributed.run(4, _cp_rolls, seq)
+    for cp in (2, 4):
+        got = {res[cp][0]: res[cp][1] for res in per_rank if cp in res}
+        assert sorted(got) == list(range(cp))
+        for r, shard in got.items():
+            assert torch.equal(shard, shard_for_cp_rank(want, cp, r)), (cp, r)

@@ -48,6 +48,8 @@ class TrainState:
     losses: list[float | None] = field(default_factory=list)  # per iteration (last stage)
     # per iteration, before clipping, every rank (None where the step did not clip/norm)
     grad_norms: list[float | None] = field(default_factory=list)
+    # per iteration with --mtp-num-layers: "mtp_<k> loss" -> value (last stage), else None
+    mtp_losses: list[dict[str, float | None] | None] = field(default_factory=list)
     exit_reason: str = ""
 
 
@@ -142,6 +144,7 @@ class Trainer:
             self.scheduler.step(configs.scheduler_increment(args, global_batch))
         state.losses.append(out.loss)
         state.grad_norms.append(out.grad_norm)
+        state.mtp_losses.append(out.mtp_losses)
         self.logger.log_train(
             state.iteration,
             {

@@ -1,0 +1,117 @@
+"""Multi-token prediction through the app (Megatron's `--mtp-num-layers`,
+`--mtp-loss-scaling-factor`): 6 steps give the losses, each depth's MTP loss and the grad
+norms (before clipping, every rank) of one process, fp32, rtol 1e-6 (the order of sums):
+
+- a DeepSeek-like tiny model (MLA, a dense first layer then MoE with a shared expert, two
+  MTP depths, so the MTP layers are MoE) at tp2-pp2-dp2 with SP and the distributed
+  optimizer (the MTP layers and the embedding's copy on the last stage) and at tp2-ep2+SP;
+- a dense GPT at cp2-tp2+SP (the rolls cross the cp chunks) and, with
+  --calculate-per-token-loss, at pp2-dp2.
+Planted: MTP token counts not summed over cp fail the cp2 comparison. A checkpoint saved
+at tp2-pp2-dp2 resumes at dp4 with the reference's next losses. The memory calculator and
+the Hugging Face export refuse MTP by name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _app import TINY_GPT, TP2_PP2, assert_matches_reference, last_stage, train, train_record
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12"]
+MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8"]
+MLA += ["--qk-layernorm", "--transformer-impl", "local"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+MOE += ["--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32"]
+MOE += ["--moe-aux-loss-coeff", "0.01"]
+STEPS = ["--train-iters", "6", "--seed", "9"]
+DEEPSEEK = [*TINY_GPT, *MLA, *MOE, *MTP, *STEPS]
+DENSE = [*TINY_GPT, *MTP, *STEPS, "--transformer-impl", "local"]
+PER_TOKEN = [*DENSE, "--calculate-per-token-loss"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CASES = {  # name: (reference flags, layout flags, world)
+    "deepseek-tp2-pp2-dp2-sp-distopt": (
+        DEEPSEEK,
+        [*TP2_PP2, "--sequence-parallel", "--use-distributed-optimizer"],
+        8,
+    ),
+    "deepseek-tp2-ep2-sp": (DEEPSEEK, [*TP2, "--expert-model-parallel-size", "2"], 4),
+    "dense-cp2-tp2-sp": (DENSE, [*TP2, "--context-parallel-size", "2"], 4),
+    "per-token-pp2-dp2": (PER_TOKEN, ["--pipeline-model-parallel-size", "2"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def references(distributed):
+    return {
+        key: distributed.run(1, train_record, flags)[0]
+        for key, flags in (("deepseek", DEEPSEEK), ("dense", DENSE), ("per-token", PER_TOKEN))
+    }
+
+
+def _reference(references, case):
+    return references[case.split("-")[0] if not case.startswith("per-token") else "per-token"]
+
+
+def _assert_mtp_losses_match(per_rank, reference, rtol):
+    want = torch.tensor([list(d.values()) for d in reference["mtp_losses"]], dtype=torch.float64)
+    assert want.shape == (6, 2)
+    for rec in per_rank:
+        if rec["losses"][0] is None:
+            assert all(d is None for d in rec["mtp_losses"])  # not the last stage
+            continue
+        got = torch.tensor([list(d.values()) for d in rec["mtp_losses"]], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=0.0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_losses_mtp_losses_and_grad_norms_match_one_process(distributed, references, case):
+    ref_flags, layout, world = CASES[case]
+    reference = _reference(references, case)
+    assert reference["losses"][-1] < reference["losses"][0]  # it learns
+    mtp = [d["mtp_1 loss"] for d in reference["mtp_losses"]]
+    assert mtp[-1] < mtp[0] and all(d["mtp_2 loss"] > 0 for d in reference["mtp_losses"])
+    per_rank = distributed.run(world, train_record, ref_flags + layout)
+    assert_matches_reference(per_rank, reference, 1e-6)
+    _assert_mtp_losses_match(per_rank, reference, 1e-6)
+
+
+def test_local_mtp_token_counts_under_cp_are_caught(distributed, references):
+    """Planted: each cp rank divides its MTP loss by its own token count."""
+    ref_flags, layout, world = CASES["dense-cp2-tp2-sp"]
+    per_rank = distributed.run(world, train_record, ref_flags + layout, "mtp_local_counts")
+    with pytest.raises(AssertionError):
+        _assert_mtp_losses_match(per_rank, references["dense"], 1e-6)
+
+
+def test_mtp_checkpoint_resumes_at_another_layout(distributed, references, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _, layout, world = CASES["deepseek-tp2-pp2-dp2-sp-distopt"]
+    save = [*DEEPSEEK, *layout, "--save", ckpt, "--save-interval", "4", "--exit-interval", "4"]
+    distributed.run(world, train, save)
+    resume = [*DEEPSEEK, "--use-distributed-optimizer", "--load", ckpt]
+    for losses in last_stage(distributed.run(4, train, resume), count=4):
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(references["deepseek"]["losses"][4:6]),
+            rtol=1e-5,
+            atol=0.0,
+        )
+
+
+def test_memory_calculator_and_hf_export_refuse_mtp_by_name(tmp_path):
+    from pentatron.pretrain.arguments import ArgumentError, parse_args, validate_args
+    from pentatron.pretrain.memory import MemoryPlanError, plan_from_args
+
+    args = validate_args(parse_args(DENSE), 1)
+    with pytest.raises(MemoryPlanError, match=r"^--mtp-num-layers: "):
+        plan_from_args(args)
+    with pytest.raises(ArgumentError, match=r"^--export-hf-dir=.*mtp_num_layers=2"):
+        validate_args(parse_args([*DENSE, "--export-hf-dir", str(tmp_path / "hf")]), 1)
