@@ -94,7 +94,8 @@ LAYOUTS = {
         ],
     ),
     # world 8: multi-latent attention with q latent, latent norms and YaRN at tp2 x pp2
-    # (2 virtual stages) x dp2 with SP and ZeRO-1
+    # (2 virtual stages) x dp2 with SP and ZeRO-1, and one MTP depth (the last stage's
+    # embedding copy, its all-reduce over the embedding group, the rolled inputs)
     "mla-tp2-pp2-dp2": (
         8,
         [
@@ -117,6 +118,8 @@ LAYOUTS = {
             "4",
             "--mscale-all-dim",
             "1.0",
+            "--mtp-num-layers",
+            "1",
         ],
     ),
 }

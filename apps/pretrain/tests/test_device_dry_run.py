@@ -75,7 +75,8 @@ def test_moe_step_runs_on_the_fake_gpu(tmp_path):
 
 
 def test_mla_step_runs_on_the_fake_gpu(tmp_path):
-    """MLA's latents, all-gathers and YaRN tables made on the device; bf16 GEMMs only."""
+    """MLA's latents, all-gathers and YaRN tables, and MTP's rolled inputs, embedding copy
+    and its loss, made on the device; bf16 GEMMs only."""
     result = _ok(dry_run(tmp_path, "mla-tp2-pp2-dp2", "0,7"))
     for rank, r in result.items():
         assert r["iterations"] == 2
