@@ -23,14 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _app import TINY_GPT, TP2_PP2, assert_matches_reference, last_stage, train, train_record
+from test_e2e_mla import MLA, MOE  # the DeepSeek-like tiny model's flags
 
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
-MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12"]
-MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8"]
-MLA += ["--qk-layernorm", "--transformer-impl", "local"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
-MOE += ["--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32"]
-MOE += ["--moe-aux-loss-coeff", "0.01"]
 STEPS = ["--train-iters", "6", "--seed", "9"]
 DEEPSEEK = [*TINY_GPT, *MLA, *MOE, *MTP, *STEPS]
 DENSE = [*TINY_GPT, *MTP, *STEPS, "--transformer-impl", "local"]
