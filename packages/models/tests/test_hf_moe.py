@@ -163,7 +163,7 @@ def test_bad_input_is_refused_with_the_field():
     _raises("router_jitter_noise", config_from_hf, {**mixtral, "router_jitter_noise": 0.1})
     _raises("sliding_window", config_from_hf, {**mixtral, "sliding_window": 128})
     _raises("experts", config_from_hf, {**mixtral, "num_local_experts": 0})
-    _raises("model_type", config_from_hf, {**mixtral, "model_type": "deepseek_v3"})
+    _raises("model_type", config_from_hf, {**mixtral, "model_type": "qwen3_moe"})
     qwen = hf_model("qwen-norm-false", layers=2).config.to_dict()
     _raises("use_sliding_window", config_from_hf, {**qwen, "use_sliding_window": True})
     _raises("shared_expert", config_from_hf, {**qwen, "shared_expert_intermediate_size": 0})

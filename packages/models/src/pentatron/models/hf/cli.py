@@ -75,7 +75,10 @@ def hf_to_pentatron(
     hf_dir: str, out: str, tp: int = 1, pp: int = 1, divisible_by: int = 128, ep: int = 1
 ) -> None:
     hf_config = read_json(Path(hf_dir) / "config.json")
-    moe = hf_config.get("model_type") in MOE_MODEL_TYPES
+    moe = hf_config.get("model_type") in MOE_MODEL_TYPES or (
+        hf_config.get("model_type") == "deepseek_v3"
+        and hf_config.get("first_k_dense_replace", 0) < hf_config["num_hidden_layers"]
+    )
     overrides: dict[str, Any] = {"sequence_parallel": True} if moe and tp > 1 else {}
     config, vocab, max_seq, extras = config_from_hf(
         hf_config,

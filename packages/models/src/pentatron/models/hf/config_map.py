@@ -32,11 +32,16 @@ from typing import Any
 import torch
 
 from ..config import RopeScaling, TransformerConfig
+from .deepseek_config_map import (
+    check_deepseek_representable,
+    deepseek_fields_from_hf,
+    deepseek_to_hf_fields,
+)
 from .errors import HFConfigError, fail
 from .moe_config_map import MOE_MODEL_TYPES, moe_fields_from_hf, moe_to_hf_fields
 from .moe_map import hf_arch
 
-SUPPORTED_MODEL_TYPES = ("llama", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", *MOE_MODEL_TYPES, "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 # Fields copied verbatim into `extras`, so config_to_hf can give them back.
@@ -155,7 +160,7 @@ def config_from_hf(
             "model_type",
             model_type,
             f"only {SUPPORTED_MODEL_TYPES} are supported",
-            "convert a Llama, Mixtral or Qwen2-MoE model",
+            "convert a Llama, Mixtral, Qwen2-MoE or DeepSeek-V3 model",
         )
     act = d.get("hidden_act", "silu")
     if act != "silu":
@@ -167,11 +172,14 @@ def config_from_hf(
         )
     if model_type == "llama":
         arch_kw = _llama_fields(d)
+    elif model_type == "deepseek_v3":
+        arch_kw = deepseek_fields_from_hf(d)
     else:
         arch_kw = moe_fields_from_hf(d, model_type)
+    if "num_moe_experts" in arch_kw:
         arch_kw["expert_model_parallel_size"] = expert_model_parallel_size
         arch_kw["expert_tensor_parallel_size"] = expert_tensor_parallel_size
-    if expert_model_parallel_size != 1 and model_type == "llama":
+    elif expert_model_parallel_size != 1:
         _fail(
             "model_type",
             model_type,
@@ -186,7 +194,8 @@ def config_from_hf(
             "use None",
         )
     heads = d["num_attention_heads"]
-    theta, scaling, partial = _rope(d)
+    # DeepSeek's YaRN is MLA's (its fields in arch_kw); the others take Llama's RoPE
+    theta, scaling, partial = (10000.0, None, 1.0) if model_type == "deepseek_v3" else _rope(d)
     fields: dict[str, Any] = dict(
         num_layers=d["num_hidden_layers"],
         hidden_size=d["hidden_size"],
@@ -235,14 +244,25 @@ def _llama_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_representable(config: TransformerConfig) -> None:
-    rules = (
+    if config.multi_latent_attention:  # DeepSeek-V3's form
+        check_deepseek_representable(config)
+        for name, value, want in (
+            ("normalization", config.normalization, "RMSNorm"),
+            ("activation", config.activation, "swiglu"),
+        ):
+            if value != want:
+                raise HFConfigError(
+                    f"TransformerConfig {name}={value!r}: DeepseekV3ForCausalLM needs "
+                    f"{name}={want!r}; fix: only models of its shape export to it"
+                )
+        return
+    rules: tuple[tuple[str, Any, Any], ...] = (
         ("normalization", config.normalization, "RMSNorm"),
         ("activation", config.activation, "swiglu"),
         ("position_embedding_type", config.position_embedding_type, "rope"),
         ("rotary_percent", config.rotary_percent, 1.0),
         ("qk_layernorm", config.qk_layernorm, False),
-        # DeepSeek-V3's form (MLA, MTP) is not mapped yet; Llama's would drop them silently
-        ("multi_latent_attention", config.multi_latent_attention, False),
+        # multi-token prediction has a Hugging Face form in DeepSeek-V3's only
         ("mtp_num_layers", config.mtp_num_layers, None),
     )
     for name, value, want in rules:
@@ -307,6 +327,14 @@ def config_to_hf_dict(
     arch = hf_arch(config)
     if arch == "llama":
         d["attention_bias"] = d["mlp_bias"] = bool(config.add_bias_linear)
+    elif arch == "deepseek_v3":
+        d.update(deepseek_to_hf_fields(config))
+        if not rope_parameters:  # transformers 4's form of the same RoPE
+            rope_fields = d.pop("rope_parameters")
+            d["rope_theta"] = rope_fields.pop("rope_theta")
+            d["rope_scaling"] = None if rope_fields["rope_type"] == "default" else rope_fields
+        d.update(extras or {})
+        return d
     else:
         d.update(moe_to_hf_fields(config, arch))
     if rope_parameters:
@@ -329,7 +357,12 @@ def config_to_hf(
     import transformers
 
     arch = hf_arch(config)
-    name = {"llama": "LlamaConfig", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}
+    name = {
+        "llama": "LlamaConfig",
+        "mixtral": "MixtralConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+        "deepseek_v3": "DeepseekV3Config",
+    }
     cls = getattr(transformers, name[arch])
     v5 = "rope_parameters" in inspect.signature(cls.__init__).parameters
     d = config_to_hf_dict(config, vocab_size, max_seq_len, extras, rope_parameters=v5)

@@ -100,7 +100,7 @@ def _build(
 ) -> GPTModel:
     return GPTModel(
         config,
-        spec or get_gpt_layer_local_spec(),
+        spec or get_gpt_layer_local_spec(config.qk_layernorm, config.multi_latent_attention),
         vocab_size,
         max_seq_len,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,

@@ -2,6 +2,9 @@
 
 Global MoE layer i, E experts, F = moe_ffn_hidden_size, S = shared-expert size:
 
+DeepSeek-V3 (model.layers.{i}.mlp.) is Qwen2-MoE's layout with `shared_experts.` for the
+shared expert (no gate) and `gate.e_score_correction_bias` for our `router.expert_bias`.
+
     ours (decoder.layers.{i}.mlp.)        HF Mixtral (model.layers.{i}.)   HF Qwen2-MoE (model.layers.{i}.)
     router.weight [E, h]                  {moe}.gate.weight                mlp.gate.weight
     experts.linear_fc1.weight [E, 2F, h]  fused: mlp.experts.gate_up_proj [E, 2F, h] (gate rows, then up)
@@ -36,12 +39,16 @@ LAYOUTS = (FUSED, PER_EXPERT)
 _EXPERT_LINEARS = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
 }
 _SHARED = "mlp.shared_expert."
 
 
 def hf_arch(config: TransformerConfig) -> str:
-    """ "llama" (dense), "mixtral" (MoE, no shared expert) or "qwen2_moe" (shared expert)."""
+    """ "deepseek_v3" (multi-latent attention), "llama" (dense), "mixtral" (MoE, no shared
+    expert) or "qwen2_moe" (shared expert)."""
+    if config.multi_latent_attention:
+        return "deepseek_v3"
     if not config.is_moe:
         return "llama"
     return "mixtral" if config.moe_shared_expert_intermediate_size is None else "qwen2_moe"
@@ -96,6 +103,14 @@ def moe_hf_names(suffix: str, arch: str, layer: int, config: TransformerConfig, 
         experts = config.num_moe_experts
         assert experts is not None, "expert parameters exist only when num_moe_experts is set"
         return [expert_keys(arch, layer, PER_EXPERT, e)[p] for e in range(experts) for p in picks]
+    if arch == "deepseek_v3":
+        shared = pre + "mlp.shared_experts."
+        if suffix == "router.expert_bias":
+            return [pre + "mlp.gate.e_score_correction_bias"]
+        if suffix == "shared_experts.linear_fc1.weight":
+            return [shared + "gate_proj.weight", shared + "up_proj.weight"]
+        if suffix == "shared_experts.linear_fc2.weight":
+            return [shared + "down_proj.weight"]
     if arch == "qwen2_moe":
         if suffix == "shared_experts.linear_fc1.weight":
             return [pre + _SHARED + "gate_proj.weight", pre + _SHARED + "up_proj.weight"]
@@ -191,6 +206,8 @@ def moe_full_to_hf(
 def moe_param_suffixes(config: TransformerConfig) -> list[str]:
     """The `mlp.<suffix>` state-dict entries of one MoE layer of a Mixtral / Qwen2-MoE GPT."""
     names = ["router.weight", "experts.linear_fc1.weight", "experts.linear_fc2.weight"]
+    if config.moe_router_enable_expert_bias:
+        names.insert(1, "router.expert_bias")
     if config.moe_shared_expert_intermediate_size is not None:
         names += ["shared_experts.linear_fc1.weight", "shared_experts.linear_fc2.weight"]
         if config.moe_shared_expert_gate:

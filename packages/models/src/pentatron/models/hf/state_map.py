@@ -15,6 +15,23 @@ Global layer i (HF `model.layers.{i}`, ours `decoder.layers.{i}` of the full mod
     decoder.final_layernorm.weight                model.norm.weight
     output_layer.weight               [Vp, h]     lm_head.weight (tied: model.embed_tokens.weight)
 
+DeepSeek-V3 (multi-latent attention; `hf_arch(config) == "deepseek_v3"`): each MLA linear is
+one HF tensor, split over tp by rows (column-parallel, `_MLA`) and `linear_proj` by columns:
+
+    ...self_attention.linear_q_proj.weight        ...self_attn.q_proj.weight (no q latent)
+    ...self_attention.linear_q_down_proj.weight   ...self_attn.q_a_proj.weight
+    ...self_attention.q_layernorm.weight          ...self_attn.q_a_layernorm.weight
+    ...self_attention.linear_q_up_proj.weight     ...self_attn.q_b_proj.weight
+    ...self_attention.linear_kv_down_proj.weight  ...self_attn.kv_a_proj_with_mqa.weight
+    ...self_attention.kv_layernorm.weight         ...self_attn.kv_a_layernorm.weight
+    ...self_attention.linear_kv_up_proj.weight    ...self_attn.kv_b_proj.weight
+    mtp.layers.{k}.enorm / hnorm / eh_proj        model.layers.{L + k}.enorm / hnorm / eh_proj
+    mtp.layers.{k}.final_layernorm.weight         model.layers.{L + k}.shared_head.norm.weight
+    mtp.layers.{k}.mtp_model_layer.<x>            model.layers.{L + k}.<x's HF name>
+An exported MTP layer also carries DeepSeek's copies of the embedding and output layer
+(`model.layers.{L + k}.embed_tokens.weight`, `.shared_head.head.weight`); an import reads
+the model's own.
+
 QKV is laid out per query group g: its nq/ng query heads, then k_g, then v_g, so rows of
 group g are `q[g*qpg*d:(g+1)*qpg*d], k[g*d:(g+1)*d], v[g*d:(g+1)*d]` (HF's grouped
 attention repeats kv head g for query heads g*qpg ... (g+1)*qpg-1, the same grouping).
@@ -58,12 +75,29 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.bias": "mlp.down_proj.bias",
 }
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# multi-latent attention (DeepSeek-V3): ours -> HF per-layer suffix; the linears split by rows
+_MLA = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_OWN = {  # an MTP depth's own tensors (its transformer layer maps like a decoder layer's)
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
 EMBED, LM_HEAD, FINAL_NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 
 
 def _is_norm_weight(name: str) -> bool:
     """input/pre-MLP/final (and q/k) norm weights: `...layernorm.weight`."""
-    return name.endswith("layernorm.weight")
+    return name.endswith(("layernorm.weight", "enorm.weight", "hnorm.weight"))
 
 
 def norm_weight_to_hf(name: str, t: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
@@ -144,11 +178,40 @@ def _moe_suffix(suffix: str) -> str | None:
     return None
 
 
+def _mla_rows(suffix: str, config: TransformerConfig) -> int:
+    """Output rows of MLA linear `suffix` (the dim tp splits)."""
+    n, d_pe = config.num_attention_heads, config.qk_pos_emb_head_dim
+    rows = {
+        "linear_q_proj": n * (config.qk_head_dim + d_pe),
+        "linear_q_down_proj": config.q_lora_rank or 0,
+        "linear_q_up_proj": n * (config.qk_head_dim + d_pe),
+        "linear_kv_down_proj": config.kv_lora_rank + d_pe,
+        "linear_kv_up_proj": n * (config.qk_head_dim + config.v_head_dim),
+    }
+    return rows[suffix.split(".")[1]]
+
+
+def as_decoder_name(name: str, config: TransformerConfig) -> str:
+    """`mtp.layers.{k}.mtp_model_layer.<x>` -> `decoder.layers.{L + k}.<x>` (HF numbers the
+    MTP layers after the decoder's); other names unchanged."""
+    m = _MTP.match(name)
+    if m and m.group(2).startswith("mtp_model_layer."):
+        rest = m.group(2)[len("mtp_model_layer.") :]
+        return f"decoder.layers.{config.num_layers + int(m.group(1))}.{rest}"
+    return name
+
+
 def hf_names_for(
     name: str, config: TransformerConfig, expert_layout: str | None = None
 ) -> list[str]:
     """The HF tensors parameter `name` (global layer index) is built from (MoE experts in
     `expert_layout`, default: the installed transformers')."""
+    name = as_decoder_name(name, config)
+    mtp = _MTP.match(name)
+    if mtp:
+        if mtp.group(2) not in _MTP_OWN:
+            raise KeyError(f"{name!r}: no Hugging Face DeepSeek-V3 counterpart")
+        return [f"model.layers.{config.num_layers + int(mtp.group(1))}.{_MTP_OWN[mtp.group(2)]}"]
     if name == "embedding.word_embeddings.weight":
         return [EMBED]
     if name == "output_layer.weight":
@@ -166,6 +229,8 @@ def hf_names_for(
     pre = f"model.layers.{layer}."
     if suffix in _LAYER_DIRECT:
         return [pre + _LAYER_DIRECT[suffix]]
+    if config.multi_latent_attention and suffix in _MLA:
+        return [pre + _MLA[suffix]]
     kind = suffix.rsplit(".", 1)[-1]
     if suffix.startswith("self_attention.linear_qkv."):
         return [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
@@ -197,8 +262,9 @@ def read_shard(
     vocab `[Vp/t, h]` (rows past V are zeros), qkv `[(nq+2ng) d / t, h]`,
     fc1 `[2f/t, h]` = cat([gate_r, up_r]), proj `[h, nq d / t]`, fc2 `[h, f/t]`, norms full.
     """
-    m = _LAYER.match(name)
-    suffix = m.group(2) if m else name
+    name = as_decoder_name(name, config)
+    m, mtp = _LAYER.match(name), _MTP.match(name)
+    suffix = m.group(2) if m else (mtp.group(2) if mtp else name)
     moe = _moe_suffix(suffix) if m else None
     if m is not None and moe is not None:
         return read_moe_shard(
@@ -240,10 +306,16 @@ def read_shard(
         assert ffn is not None, "TransformerConfig.__post_init__ fills it in"
         start, stop = _part(ffn, tp_rank, tp_size, "ffn_hidden_size")
         return torch.cat([src.read(h, 0, start, stop) for h in hf], 0)
+    if suffix.endswith("proj.weight") and (suffix in _MLA or suffix == "eh_proj.weight"):
+        out_rows = config.hidden_size if suffix == "eh_proj.weight" else _mla_rows(suffix, config)
+        start, stop = _part(out_rows, tp_rank, tp_size, f"{hf[0]} rows")
+        return src.read(hf[0], 0, start, stop)
     if suffix in _ROW_PARALLEL:
         if tp_size == 1:
             return src.read(hf[0])
         cols = config.query_projection_size if "linear_proj" in suffix else config.ffn_hidden_size
+        if config.multi_latent_attention and "linear_proj" in suffix:
+            cols = config.num_attention_heads * config.v_head_dim
         assert cols is not None, "TransformerConfig.__post_init__ fills ffn_hidden_size in"
         start, stop = _part(cols, tp_rank, tp_size, f"{hf[0]} columns")
         return src.read(hf[0], 1, start, stop)
@@ -270,6 +342,10 @@ def full_to_hf(
     assert d is not None and ng is not None, "TransformerConfig.__post_init__ fills them in"
     qpg = config.num_attention_heads // ng
     for name, t in full.items():
+        name = as_decoder_name(name, config)
+        if _MTP.match(name):
+            out[hf_names_for(name, config)[0]] = norm_weight_to_hf(name, t, config)
+            continue
         if name == "embedding.word_embeddings.weight":
             out[EMBED] = t[:vocab_size]
             if config.share_embeddings_and_output_weights:
@@ -296,7 +372,21 @@ def full_to_hf(
             out[hf[0]], out[hf[1]] = gate, up
         else:
             out[hf[0]] = norm_weight_to_hf(name, t, config)
+    _mtp_copies(out, config)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _mtp_copies(out: dict[str, torch.Tensor], config: TransformerConfig) -> None:
+    """DeepSeek's MTP layers carry the embedding and the output layer (where this part of
+    the model has them: the MTP stage does)."""
+    for k in range(config.mtp_num_layers or 0):
+        pre = f"model.layers.{config.num_layers + k}."
+        if pre + "eh_proj.weight" not in out:
+            continue
+        if EMBED in out:
+            out[pre + "embed_tokens.weight"] = out[EMBED]
+        if LM_HEAD in out:
+            out[pre + "shared_head.head.weight"] = out[LM_HEAD]
 
 
 def chunk_param_names(
@@ -312,28 +402,57 @@ def chunk_param_names(
     (Checked against `GPTModel.state_dict()` in the tests; used where no model is built,
     e.g. by the converter CLI.) `layer_offset` picks the chunk's MoE layers.
     """
-    moe_layers = config.moe_layer_pattern()
+    per_layer, dense, moe = _layer_suffixes(config)
+    mtp = bool(config.mtp_num_layers) and post_process
+    names = ["embedding.word_embeddings.weight"] if pre_process or mtp else []
+    for i in range(num_layers):
+        mlp = moe if config.is_moe_layer(layer_offset + i + 1) else dense
+        names += [f"decoder.layers.{i}.{s}" for s in per_layer + mlp]
+    if post_process:
+        names.append("decoder.final_layernorm.weight")
+    if mtp:  # GPTModel's order: the decoder (with its final norm), MTP, the output layer
+        mlp = moe if config.is_moe_layer(config.num_layers + 1) else dense
+        for k in range(config.mtp_num_layers or 0):
+            pre = f"mtp.layers.{k}."
+            names += [pre + "enorm.weight", pre + "hnorm.weight", pre + "eh_proj.weight"]
+            names += [f"{pre}mtp_model_layer.{s}" for s in per_layer + mlp]
+            names.append(pre + "final_layernorm.weight")
+    if post_process:
+        tied_here = (pre_process or mtp) and config.share_embeddings_and_output_weights
+        if not tied_here:
+            names.append("output_layer.weight")
+    return names
+
+
+def _layer_suffixes(config: TransformerConfig) -> tuple[list[str], list[str], list[str]]:
+    """(attention and norms, dense MLP, MoE MLP) suffixes of one decoder layer."""
     bias = config.add_bias_linear
-    per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
-    if bias or config.add_qkv_bias:
-        per_layer.append("self_attention.linear_qkv.bias")
+    per_layer = ["input_layernorm.weight"]
+    if config.multi_latent_attention:
+        per_layer += [f"self_attention.{n}.weight" for n in _mla_modules(config)]
+    else:
+        per_layer.append("self_attention.linear_qkv.weight")
+        if bias or config.add_qkv_bias:
+            per_layer.append("self_attention.linear_qkv.bias")
     per_layer.append("self_attention.linear_proj.weight")
     if bias:
         per_layer.append("self_attention.linear_proj.bias")
+    if config.qk_layernorm and not config.multi_latent_attention:
+        per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     per_layer.append("pre_mlp_layernorm.weight")
     dense = ["mlp.linear_fc1.weight"] + (["mlp.linear_fc1.bias"] if bias else [])
     dense += ["mlp.linear_fc2.weight"] + (["mlp.linear_fc2.bias"] if bias else [])
     moe = ["mlp." + s for s in moe_param_suffixes(config)] if config.is_moe else []
-    names = ["embedding.word_embeddings.weight"] if pre_process else []
-    for i in range(num_layers):
-        mlp = moe if moe_layers[layer_offset + i] else dense
-        names += [f"decoder.layers.{i}.{s}" for s in per_layer + mlp]
-    if post_process:
-        names.append("decoder.final_layernorm.weight")
-        tied_here = pre_process and config.share_embeddings_and_output_weights
-        if not tied_here:
-            names.append("output_layer.weight")
-    return names
+    return per_layer, dense, moe
+
+
+def _mla_modules(config: TransformerConfig) -> list[str]:
+    """MLASelfAttention's weights in construction order (without linear_proj)."""
+    q = ["linear_q_proj"]
+    if config.q_lora_rank is not None:
+        q = ["linear_q_down_proj", "linear_q_up_proj", "q_layernorm"]
+    kv = ["linear_kv_down_proj", "linear_kv_up_proj", "kv_layernorm"]
+    return q + kv
 
 
 def hf_keys_expected(config: TransformerConfig, expert_layout: str | None = None) -> list[str]:
