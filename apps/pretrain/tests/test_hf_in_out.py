@@ -15,6 +15,7 @@ logits with its own forward. fp32 throughout.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -125,6 +126,72 @@ def _save_moe(path: str, arch: str) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def _save_deepseek(path: str, mtp: bool = False) -> None:
+    """A 4-layer DeepSeek-V3 (MLA with q latent, a dense first layer, 4 experts top-2 in 2
+    groups, sigmoid scores with a random correction bias, a shared expert), random weights,
+    `save_pretrained`; with `mtp`, one MTP depth added to the files as DeepSeek's release
+    holds it (transformers builds no module for it)."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(13)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "norm" in name or "e_score_correction_bias" in name:
+                t.add_(torch.randn_like(t) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    if mtp:
+        from safetensors.torch import save_file
+
+        state, g = _safetensors(path), torch.Generator().manual_seed(14)
+        extra = {
+            k.replace("layers.3.", "layers.4."): v.clone()
+            for k, v in state.items()
+            if k.startswith("model.layers.3.")
+        }
+        extra["model.layers.4.enorm.weight"] = 1 + 0.2 * torch.randn(32, generator=g)
+        extra["model.layers.4.hnorm.weight"] = 1 + 0.2 * torch.randn(32, generator=g)
+        extra["model.layers.4.eh_proj.weight"] = 0.02 * torch.randn(32, 64, generator=g)
+        extra["model.layers.4.shared_head.norm.weight"] = torch.ones(32)
+        extra["model.layers.4.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        extra["model.layers.4.shared_head.head.weight"] = state["lm_head.weight"]
+        save_file(extra, os.path.join(path, "mtp.safetensors"))
+        index_path = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                index = json.load(f)
+        else:  # one file: make the index that lists both
+            index = {"metadata": {}, "weight_map": dict.fromkeys(state, "model.safetensors")}
+        index["weight_map"].update(dict.fromkeys(extra, "mtp.safetensors"))
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+        with open(os.path.join(path, "config.json")) as f:
+            d = json.load(f)
+        d["num_nextn_predict_layers"] = 1
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(d, f)
+
+
 def _argv(hf: str, *extra: str) -> list[str]:
     return ["--pretrained-checkpoint", hf, *FLAGS, *extra]
 
@@ -199,17 +266,48 @@ def test_lr0_round_trip_is_bitwise_and_first_loss_is_transformers(distributed, t
     assert again.config.tie_word_embeddings is tie and again.config.num_key_value_heads == 2
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_moe_lr0_round_trip_at_ep2(distributed, tmp_path, arch):
     """MoE at tp2-pp2-dp2 with ep2 (experts split over the dp ranks of a stage)."""
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
-    _save_moe(hf, arch)
+    _save_deepseek(hf) if arch == "deepseek_v3" else _save_moe(hf, arch)
     argv = _argv(hf, *TP2_PP2, "--expert-model-parallel-size", "2", "--sequence-parallel")
     argv += ["--lr", "0"]
     argv += ["--train-iters", "1", "--use-distributed-optimizer"]
     per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
     _assert_first_loss(per_rank, hf, argv, 4)
-    _assert_same_tensors(hf, out)
+    if arch != "deepseek_v3":
+        _assert_same_tensors(hf, out)
+        return
+    # without lr, only DeepSeek's correction bias moves: one balancing step of 1e-3
+    given, exported = _safetensors(hf), _safetensors(out)
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        if name.endswith("e_score_correction_bias"):
+            step = (exported[name] - tensor).abs()
+            assert torch.allclose(step[step > 0], torch.tensor(1e-3), atol=1e-7), name
+            assert step.max() > 0, name
+        else:
+            assert torch.equal(exported[name], tensor), name
+
+
+def test_deepseek_mtp_layers_come_in_and_go_out(distributed, tmp_path):
+    """A checkpoint holding DeepSeek's MTP depth: --use-checkpoint-args turns MTP on, the
+    MTP stage (pp2, with its embedding copy) reads it, its loss is logged, and the export
+    writes it back (bitwise, but the correction biases' one balancing step)."""
+    hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    _save_deepseek(hf, mtp=True)
+    argv = _argv(hf, "--pipeline-model-parallel-size", "2", "--lr", "0", "--train-iters", "1")
+    assert _validate(argv, 2).mtp_num_layers == 1
+    per_rank = distributed.run(2, train_record, [*argv, "--export-hf-dir", out])
+    _assert_first_loss(per_rank, hf, argv, 1)
+    (mtp,) = [r["mtp_losses"][0] for r in per_rank if r["mtp_losses"][0] is not None]
+    assert 0 < mtp["mtp_1 loss"] < 10
+    given, exported = _safetensors(hf), _safetensors(out)
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        if not name.endswith("e_score_correction_bias"):
+            assert torch.equal(exported[name], tensor), name
 
 
 def test_fsdp2_run_starts_from_the_hf_weights(distributed, tmp_path):
@@ -267,22 +365,30 @@ def _train_and_logits(argv: list[str], ids: torch.Tensor):
     return state.losses, logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe", "deepseek_v3"])
 def test_trained_model_exports_with_the_same_logits(distributed, tmp_path, arch):
-    """10 steps; Llama at tp2-pp2-dp2, MoE at tp2-dp2 with SP and ep2; the app's final
-    model (its own forward) vs transformers on its export."""
+    """10 steps (DeepSeek-V3: 20, the loss falling over them); Llama at tp2-pp2-dp2, MoE at
+    tp2-dp2 with SP and ep2; the app's final model (its own forward) vs transformers on its
+    export."""
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
-    _save_llama(hf) if arch == "llama" else _save_moe(hf, arch)
+    if arch == "llama":
+        _save_llama(hf)
+    else:
+        _save_deepseek(hf) if arch == "deepseek_v3" else _save_moe(hf, arch)
     if arch == "llama":
         world, layout = 8, TP2_PP2
     else:
         world, layout = 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
         layout += ["--expert-model-parallel-size", "2"]
-    argv = _argv(hf, *layout, "--lr", "1e-3", "--train-iters", "10", "--export-hf-dir", out)
+    steps = "20" if arch == "deepseek_v3" else "10"
+    argv = _argv(hf, *layout, "--lr", "1e-3", "--train-iters", steps, "--export-hf-dir", out)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     results = distributed.run(world, _train_and_logits, argv, ids)
     losses, app_logits = next(r for r in results if r[1] is not None)  # a last-stage rank
     assert losses[-1] < losses[0]  # it trained
+    if arch == "deepseek_v3":  # and kept learning: each fifth of the run below the one before
+        fifths = [sum(losses[i : i + 4]) for i in range(0, 20, 4)]
+        assert all(b < a for a, b in itertools.pairwise(fifths)), fifths
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         hf_logits = model(input_ids=ids).logits
@@ -438,13 +544,17 @@ def _convert(*argv: str) -> None:
     assert main(list(argv)) == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "deepseek_v3-mtp"])
 def test_checkpoint_converts_offline_to_what_the_run_exported(distributed, tmp_path, arch):
-    """A tp2-pp2-dp2 run (ep2 for Mixtral) saves its checkpoint and exports; the offline
-    conversion of the checkpoint (DCP read of the global tensors, one layer at a time)
-    equals the export (all-gathered from the live shards) bitwise, config.json too."""
+    """A tp2-pp2-dp2 run (ep2 for the MoE models; DeepSeek-V3 with its MTP depth on the
+    last stage) saves its checkpoint and exports; the offline conversion of the checkpoint
+    (DCP read of the global tensors, one layer at a time) equals the export (all-gathered
+    from the live shards) bitwise, config.json too."""
     hf, out, ckpt, conv = (str(tmp_path / n) for n in ("hf", "out", "ckpt", "conv"))
-    _save_llama(hf) if arch == "llama" else _save_moe(hf, arch)
+    if arch == "llama":
+        _save_llama(hf)
+    else:
+        _save_deepseek(hf, mtp=True) if arch.startswith("deepseek") else _save_moe(hf, arch)
     moe = ["--expert-model-parallel-size", "2", "--sequence-parallel"] if arch != "llama" else []
     argv = _argv(hf, *TP2_PP2, *moe, "--lr", "1e-3", "--train-iters", "3", "--save", ckpt)
     distributed.run(8, train_record, [*argv, "--export-hf-dir", out])

@@ -52,7 +52,28 @@ FIELD_FLAGS = {
     "moe_router_score_function": "--moe-router-score-function",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "moe_shared_expert_gate": "--moe-shared-expert-gate",
+    "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
+    "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
+    "moe_router_num_groups": "--moe-router-num-groups",
+    "moe_router_group_topk": "--moe-router-group-topk",
 }
+# DeepSeek-V3's multi-latent attention and its YaRN: field -> flag dest (the flag is its
+# dashed form); compared and implied only where either side has MLA.
+MLA_DESTS = {
+    "multi_latent_attention": "multi_latent_attention",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_head_dim": "qk_head_dim",
+    "qk_pos_emb_head_dim": "qk_pos_emb_head_dim",
+    "v_head_dim": "v_head_dim",
+    "rotary_scaling_factor": "rotary_scaling_factor",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+    "yarn_original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "yarn_beta_fast": "yarn_beta_fast",
+    "yarn_beta_slow": "yarn_beta_slow",
+}
+FIELD_FLAGS.update({f: "--" + d.replace("_", "-") for f, d in MLA_DESTS.items()})
 _MOE_FIELDS = {k for k in FIELD_FLAGS if k.startswith("moe_")}
 
 # The model flags a checkpoint of this app carries in its saved args (--use-checkpoint-args).
@@ -87,6 +108,13 @@ ARCH_DESTS = (
     "moe_router_score_function",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_dtype",
+    *MLA_DESTS.values(),
+    "mtp_num_layers",
 )
 
 
@@ -167,8 +195,35 @@ def implied_flags(path: str) -> dict[str, Any]:
             moe_router_score_function=config.moe_router_score_function,
             moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=config.moe_shared_expert_gate,
+            moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+            moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+            moe_router_num_groups=config.moe_router_num_groups,
+            moe_router_group_topk=config.moe_router_group_topk,
+            moe_router_dtype=config.moe_router_dtype,
         )
+    if config.multi_latent_attention:
+        out.update({dest: getattr(config, f) for f, dest in MLA_DESTS.items()})
+    mtp = _mtp_layers_held(path, config.num_layers)
+    if mtp:
+        out["mtp_num_layers"] = mtp
     return out
+
+
+def _mtp_layers_held(path: str, num_layers: int) -> int:
+    """MTP depths whose tensors the checkpoint holds (DeepSeek's `model.layers.{L + k}.eh_proj`;
+    transformers' save_pretrained drops them, DeepSeek's release has them)."""
+    from pentatron.models.hf import SafetensorsDirSource
+
+    with open(os.path.join(path, HF_CONFIG)) as f:
+        wanted = int(json.load(f).get("num_nextn_predict_layers", 0) or 0)
+    if not wanted:
+        return 0
+    with SafetensorsDirSource(path) as src:
+        keys = src.keys()
+    held = 0
+    while held < wanted and f"model.layers.{num_layers + held}.eh_proj.weight" in keys:
+        held += 1
+    return held
 
 
 def _saved_args(path: str) -> dict[str, Any]:
@@ -224,6 +279,9 @@ def check_against_hf(args: argparse.Namespace) -> None:
     mine = transformer_config(args)
     for field, flag in FIELD_FLAGS.items():
         if field in _MOE_FIELDS and not (mine.is_moe or theirs.is_moe):
+            continue
+        mla = mine.multi_latent_attention or theirs.multi_latent_attention
+        if field in MLA_DESTS and field != "multi_latent_attention" and not mla:
             continue
         a, b = _value(mine, field), _value(theirs, field)
         if a != b:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pentatron.models.hf import PER_EXPERT, HFConfigError, config_to_hf_dict, to_hf
 from pentatron.models.hf.safetensors_io import INDEX, save_tensors, write_json
-from pentatron.models.hf.state_map import LM_HEAD
+from pentatron.models.hf.state_map import EMBED, LM_HEAD
 from pentatron.parallel_state import ProcessGrid, comm
 
 from ..arguments_validate import ArgumentError
@@ -73,7 +73,7 @@ def check_exportable(args: argparse.Namespace) -> None:
     except HFConfigError as e:
         raise ArgumentError(
             f"--export-hf-dir={out}: this model has no Hugging Face Llama / Mixtral / "
-            f"Qwen2-MoE form: {e}"
+            f"Qwen2-MoE / DeepSeek-V3 form: {e}"
         ) from None
 
 
@@ -117,6 +117,8 @@ def export_hf(
     if not config.untie_embeddings_and_output_weights:
         tensors.pop(LM_HEAD, None)  # as save_pretrained: the tied head is not stored
     pp, stage = grid.size("pp"), grid.rank("pp")
+    if stage > 0:  # the MTP stage's copy of the embedding: the first stage writes it
+        tensors.pop(EMBED, None)
     name = f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
     writer = all(grid.rank(d) == 0 for d in ("tp", "dp", "cp", "ep"))
     if writer:
