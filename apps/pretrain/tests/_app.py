@@ -100,9 +100,9 @@ def train_record(argv: list[str], plant: str | None = None) -> dict[str, list]:
 #   no_microbatch_average: the 1/micro-batches factor dropped;
 #   dp_sum: DDP's grad reduce sums over dp instead of averaging.
 PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
-# Planted only where the feature runs (test_e2e_mtp.py): each cp rank's MTP loss divided
-# by its own token counts.
-MTP_PLANTS = ("mtp_local_counts",)
+# Planted only where the feature runs: each cp rank's MTP loss divided by its own token
+# counts (test_e2e_mtp.py); the aux-loss grad (MoE, MTP) not scaled by cp (test_e2e_mla.py).
+MTP_PLANTS = ("mtp_local_counts", "aux_loss_without_cp")
 
 
 def _planted(plant: str):
@@ -128,6 +128,11 @@ def _planted(plant: str):
             return buffer(*a, **kw)
 
         return mock.patch.object(ddp, "ParamAndGradBuffer", summing)
+    if plant == "aux_loss_without_cp":
+        from pentatron.models import set_aux_loss_scale
+        from pentatron.pretrain.training import step
+
+        return mock.patch.object(step, "aux_loss_scale_func", lambda grid: set_aux_loss_scale)
     if plant == "mtp_local_counts":
         from pentatron.models import mtp
 

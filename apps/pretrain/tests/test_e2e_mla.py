@@ -1,8 +1,9 @@
 """Multi-latent attention through the app (Megatron's flags): 10 steps of a DeepSeek-like
 tiny model (MLA with a q latent and the latent norms, a dense first layer then MoE layers
 with a shared expert) give the losses and grad norms (before clipping, every rank) of one
-process at tp2-pp2-dp2 with SP and the distributed optimizer, and at tp2-ep2 with SP
-(fp32, rtol 1e-6: the order of sums only). A checkpoint saved at tp2-pp2-dp2 resumes at
+process at tp2-pp2-dp2 with SP and the distributed optimizer, at tp2-ep2 with SP, and at
+cp2-tp2 with SP (a2a; the cp kernels carry V zero-padded to q/k's head dim) (fp32, rtol
+1e-6: the order of sums only). A checkpoint saved at tp2-pp2-dp2 resumes at
 tp1-pp1-dp4 with the same next losses (the MLA weights reshard like any column)."""
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ LAYOUTS = {
         "2",
         "--sequence-parallel",
     ],
+    "cp2-tp2-sp-a2a": [
+        "--context-parallel-size",
+        "2",
+        "--cp-comm-type",
+        "a2a",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ],
 }
 
 
@@ -47,6 +57,17 @@ def test_mla_moe_losses_and_grad_norms_match_one_process(distributed, reference,
     world = 8 if "pp2" in layout else 4
     per_rank = distributed.run(world, train_record, COMMON + LAYOUTS[layout])
     assert_matches_reference(per_rank, reference, 1e-6)
+
+
+def test_aux_loss_grads_not_scaled_by_cp_are_caught(distributed, reference):
+    """Planted: the MoE aux-loss grad without the cp factor (DDP averages over cp; the aux
+    losses are shares that add up over it): the cp2 grad norms differ (they did, by 0.2%,
+    before the factor was added)."""
+    per_rank = distributed.run(
+        4, train_record, COMMON + LAYOUTS["cp2-tp2-sp-a2a"], "aux_loss_without_cp"
+    )
+    with pytest.raises(AssertionError, match="grad norms"):
+        assert_matches_reference(per_rank, reference, 1e-6)
 
 
 def test_mla_checkpoint_resumes_at_another_layout(distributed, reference, tmp_path):

@@ -7,8 +7,10 @@
   model (the reference above vouches for it): per-token losses and every gradient, fp32,
   rtol 1e-5 / atol 1e-6. A missing tp sum of k_pe's gradient (every rank's heads share it)
   fails these; `test_k_pe_gradient_sum_is_needed` plants it.
-- Bad input: MLA with context parallelism, non-RoPE positions, a down-projection tp does not
-  divide, or the standard spec, fails naming the field.
+- Context parallelism: cp2-tp2+SP with each cp_comm_type gives one process's losses and
+  gradients (V zero-padded to q/k's head dim for the cp kernels).
+- Bad input: MLA with non-RoPE positions, a down-projection tp does not divide, or the
+  standard spec, fails naming the field.
 """
 
 from __future__ import annotations
@@ -233,7 +235,6 @@ def test_k_pe_gradient_sum_is_needed(distributed):
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"context_parallel_size": 2}, "context_parallel_size"),
         ({"position_embedding_type": "learned_absolute"}, "position_embedding_type"),
         ({"tensor_model_parallel_size": 4, "kv_lora_rank": 10}, "kv_lora_rank"),
         ({"q_lora_rank": 18, "tensor_model_parallel_size": 4}, "q_lora_rank"),
@@ -260,3 +261,81 @@ def test_mla_up_proj_recompute_keeps_parity_under_tp_sp_and_pipeline(distributed
     for i, layout in enumerate(layouts):
         results = [r[i] for r in per_rank]
         assert_matches_reference(base, results, layout, ref_losses, ref_grads)
+
+
+# ---- context parallelism -----------------------------------------------------------------------
+
+CP_KINDS = ("p2p", "all_gather", "a2a")
+
+
+def _mla_cp_cases(state, data):
+    """MLA GPT at cp2-tp2 with SP, each cp_comm_type: per-token loss shard and grads
+    (summed over cp: each cp rank saw its tokens only)."""
+    from pentatron.models import load_full_state_dict, sync_grads
+    from pentatron.models.context_parallel import shard_for_cp_rank
+    from pentatron.parallel_state import (
+        ParallelConfig,
+        comm,
+        destroy_model_parallel,
+        initialize_model_parallel,
+    )
+
+    out = {}
+    grid = initialize_model_parallel(ParallelConfig(tp=2, cp=2))
+    try:
+        for kind in CP_KINDS:
+            config = _config(
+                tensor_model_parallel_size=2,
+                sequence_parallel=True,
+                context_parallel_size=2,
+                cp_comm_type=kind,
+            )
+            spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+            model = GPTModel(config, spec, VOCAB, 16, grid=grid, make_vocab_size_divisible_by=32)
+            load_full_state_dict(model, state)
+            ids, pos, labels = (shard_for_cp_rank(x, 2, grid.rank("cp")) for x in data)
+            loss = model(ids, pos, labels=labels)
+            loss.sum().backward()
+            sync_grads(model)
+            grads = {}
+            for name, p in model.named_parameters():
+                g = p.grad.clone()
+                comm.all_reduce(g, group=grid.group("cp"))
+                grads[name] = g
+            out[kind] = (loss.detach(), grads, grid.rank("tp"), grid.rank("cp"))
+    finally:
+        destroy_model_parallel(grid)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mla_cp(distributed):
+    from _gpt import build_reference
+
+    model = build_reference(_config())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = microbatches(1)[0]
+    loss = model(*data[:2], labels=data[2])
+    loss.sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, distributed.run(4, _mla_cp_cases, state, data)
+
+
+@pytest.mark.parametrize("kind", CP_KINDS)
+def test_cp2_tp2_sp_matches_one_process(mla_cp, kind):
+    """V (d_v = 6) travels zero-padded to q/k's 12 dims: losses and every gradient equal
+    one process's (the tolerances of the standard-attention cp test)."""
+    from pentatron.models import merge_shards
+    from pentatron.models.context_parallel import gather_cp_shards
+
+    ref_loss, ref_grads, per_rank = mla_cp
+    results = [r[kind] for r in per_rank]
+    by_cp = {cp: next(r for r in results if r[3] == cp and r[2] == 0) for cp in (0, 1)}
+    loss = gather_cp_shards([by_cp[0][0], by_cp[1][0]], dim=1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    tp_ranks = sorted((r for r in results if r[3] == 0), key=lambda r: r[2])
+    config = _config(tensor_model_parallel_size=2)
+    assert any("linear_kv_up_proj" in n for n in ref_grads)
+    for name, ref in ref_grads.items():
+        got = merge_shards(name, [r[1][name] for r in tp_ranks], config=config)
+        torch.testing.assert_close(got[: ref.size(0)], ref, rtol=1e-4, atol=1e-5, msg=name)

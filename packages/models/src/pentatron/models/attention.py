@@ -79,6 +79,14 @@ class DotProductAttention(torch.nn.Module):
         if self.config.context_parallel_size > 1:
             p = self.config.attention_dropout if self.training else 0.0
             check_cp_inputs(self.config, self.cp_group, s, attention_mask, p)
+            d_v = v.size(-1)
+            if d_v != k.size(-1):
+                # MLA: v's head dim (d_v) differs from q/k's (d_qk + d_pe); the cp kernels
+                # move K and V as one block, so V travels zero-padded to k's dim, and the
+                # padded output columns (attention-weighted zeros) are dropped.
+                v = torch.nn.functional.pad(v, (0, k.size(-1) - d_v))
+                out = context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
+                return out.view(s, b, -1, k.size(-1))[..., :d_v].reshape(s, b, -1)
             return context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
         p = self.config.attention_dropout if self.training else 0.0

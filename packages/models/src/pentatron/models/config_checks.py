@@ -357,9 +357,10 @@ def check_mla(c: Any) -> None:
     """Multi-latent attention (`multi_latent_attention`): its shapes, and what it runs with.
 
     Supported: any tp (heads split; the down-projections split by rows and all-gathered,
-    as Megatron's local spec), sequence parallelism, pipeline and virtual stages, MoE,
-    recompute, YaRN (`rotary_scaling_factor` > 1). Not yet: context parallelism, the
-    transformer-engine layout (each refused below or by the spec, naming the fix)."""
+    as Megatron's local spec), sequence parallelism, pipeline and virtual stages, context
+    parallelism (every cp_comm_type; V travels zero-padded to q/k's head dim), MoE,
+    recompute, YaRN (`rotary_scaling_factor` > 1). Not yet: the transformer-engine layout
+    (refused by the spec, naming the fix)."""
     if not c.multi_latent_attention:
         if c.rotary_scaling_factor != 1.0:
             fail(
@@ -391,13 +392,6 @@ def check_mla(c: Any) -> None:
             c.rope_scaling,
             "Llama-3 RoPE scaling does not apply to multi-latent attention (it takes YaRN)",
             "use rope_scaling=None and rotary_scaling_factor for YaRN",
-        )
-    if c.context_parallel_size > 1:
-        fail(
-            "context_parallel_size",
-            c.context_parallel_size,
-            "multi-latent attention does not run with context parallelism yet",
-            "use context_parallel_size=1 (tp, pp, ep and dp all work)",
         )
     t = c.tensor_model_parallel_size
     rows = {"kv_lora_rank + qk_pos_emb_head_dim": c.kv_lora_rank + c.qk_pos_emb_head_dim}

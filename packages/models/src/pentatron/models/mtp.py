@@ -21,7 +21,10 @@ Each depth's (sum, count) is kept for logging (`GPTModel.mtp_report`).
 
 Context parallelism: a cp rank holds chunks r and 2cp-1-r of the sequence, so a roll moves
 each chunk's first element to the end of the chunk before it (`roll_left`, one small
-all-gather over cp); counts are all-reduced over cp so the loss is the whole sequence's.
+all-gather over cp); counts are all-reduced over cp and each rank attaches its share (its
+tokens' loss sum over the whole sequence's count): the shares add up over cp to the
+sequence's loss, as the MoE aux losses' do. A trainer whose grad reduction averages over
+cp scales the aux-loss grad by cp (the app does, as Megatron scales the MoE aux loss).
 """
 
 from __future__ import annotations
@@ -206,12 +209,10 @@ def mtp_loss(
 
     `hidden` `[s(/t), b, h]` is h_0 (what the main output layer reads); `labels`,
     `loss_mask` `[b, s(/cp)]`; `logits_fn(h)` -> fp32 logits `[s, b, V_pad/t]`. The attached
-    term is weight / D * sum_k (sum of masked losses_k) / count_k, times cp (each cp rank
-    holds a share; the grad reduction averages over cp, as for the main loss) and, with
-    `calculate_per_token_loss`, times the micro-batch's unrolled count (the step divides
-    every grad by the total token count).
+    term is weight / D * sum_k (sum of masked losses_k) / count_k, counts over the whole
+    sequence (a cp rank's term is its share) and, with `calculate_per_token_loss`, times the
+    micro-batch's unrolled count (the step divides every grad by the total token count).
     """
-    cp = _cp_size(cp_group)
     mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask
     mask = mask.float()
     tokens = _summed_over(mask.sum(), cp_group)  # the unrolled count (per-token mode)
@@ -225,7 +226,7 @@ def mtp_loss(
         pair = _summed_over(pair, cp_group)
         report.append(pair)
         count = pair[1].clamp(min=1.0)
-        term = loss_sum * cp / count
+        term = loss_sum / count
         if config.calculate_per_token_loss:
             term = term * tokens
         total = total + term

@@ -86,6 +86,17 @@ def agree_flags(flags: list[bool], grid: ProcessGrid, group: Any = None) -> list
     return [bool(v) for v in t]
 
 
+def aux_loss_scale_func(grid: ProcessGrid) -> Callable[[torch.Tensor], None]:
+    """What the schedule calls with the main loss's grad factor: the models' attached
+    losses (MoE aux losses, MTP) get it times cp. They are shares that add up over the cp
+    ranks, and DDP averages grads over dp x cp (the main loss is multiplied by cp in
+    loss_func for the same reason; Megatron scales the MoE aux loss by cp too)."""
+    from pentatron.models import set_aux_loss_scale
+
+    cp = grid.size("cp")
+    return lambda scale: set_aux_loss_scale(scale * cp)
+
+
 def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> PipelineConfig:
     """The schedule's hooks wired to DDP: no_sync on every chunk, overlap-started grad sync,
     finalize (with per-token scaling when --calculate-per-token-loss)."""
@@ -112,10 +123,7 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
 
     hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
     if getattr(args, "num_experts", None) or getattr(args, "mtp_num_layers", None):
-        # MoE aux losses and the MTP loss get the main loss's grad scale in backward
-        from pentatron.models import set_aux_loss_scale
-
-        hooks["aux_loss_scale_func"] = set_aux_loss_scale
+        hooks["aux_loss_scale_func"] = aux_loss_scale_func(grid)
     if args.overlap_grad_reduce:
         hooks["grad_sync_func"] = [lambda params, c=c: c.start_grad_sync() for c in chunks]
     return make(args, **hooks)
