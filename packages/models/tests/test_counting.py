@@ -418,3 +418,87 @@ def test_mtp_layers_count_as_the_last_layers_mlp_kind():
         config, S, V
     )
     assert got == pytest.approx(extra, rel=1e-12)
+
+
+def test_moe_mla_mtp_parameter_count_equals_sum_of_tensor_sizes():
+    """A dense first layer, MoE layers with a shared expert (and its gate), MLA, one MTP
+    depth (MoE, like the last layer): every tensor counted once."""
+    config = TransformerConfig(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+        moe_layer_freq=[0, 1, 1],
+        moe_shared_expert_intermediate_size=24,
+        moe_shared_expert_gate=True,
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+        mtp_num_layers=1,
+        add_bias_linear=False,
+    )
+    spec = get_gpt_layer_local_spec(True, multi_latent_attention=True)
+    model = GPTModel(config, spec, 100, 24)
+    assert num_parameters(config, model.padded_vocab_size) == num_parameters_in_model(model)
+    # active: two of the four experts of each of the 3 MoE layers (2 decoder + MTP)
+    per_expert = 3 * 32 * 16
+    got = num_parameters(config, model.padded_vocab_size, active=True)
+    assert num_parameters(config, model.padded_vocab_size) - got == 3 * 2 * per_expert
+
+
+def _deepseek_v3(**kw) -> TransformerConfig:
+    """DeepSeek-V3's shape (its config.json): 61 layers, the first 3 dense."""
+    return TransformerConfig(
+        num_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        ffn_hidden_size=18432,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_head_dim=128,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=128,
+        num_moe_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=[0] * 3 + [1] * 58,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=8,
+        moe_router_group_topk=4,
+        **kw,
+    )
+
+
+def test_deepseek_v3_totals_are_the_published_ones():
+    """DeepSeek-V3 (arXiv 2412.19437): 671B parameters, 37B activated per token; the
+    Hugging Face release holds 685B with the MTP module (14B, counting its copies of the
+    embedding and output head, 2 x 0.93B)."""
+    vocab = 129280
+    total = num_parameters(_deepseek_v3(), vocab)
+    active = num_parameters(_deepseek_v3(), vocab, active=True)
+    assert total == pytest.approx(671e9, rel=1e-3), total
+    assert 37e9 <= active < 38e9, active  # "37B activated" (37.55B)
+    with_mtp = num_parameters(_deepseek_v3(mtp_num_layers=1), vocab)
+    copies = 2 * vocab * 7168
+    assert with_mtp + copies == pytest.approx(685e9, rel=1e-3), with_mtp + copies

@@ -48,21 +48,54 @@ def _mla_parameters(config: TransformerConfig) -> int:
     return q + kv + proj
 
 
-def num_parameters_per_layer(config: TransformerConfig) -> int:
-    h, d, ffn = config.hidden_size, config.kv_channels, config.ffn_hidden_size
-    assert d is not None and ffn is not None, "TransformerConfig.__post_init__ fills them in"
+def _attention_parameters(config: TransformerConfig) -> int:
+    h, d = config.hidden_size, config.kv_channels
+    assert d is not None, "TransformerConfig.__post_init__ fills it in"
+    if config.multi_latent_attention:
+        return _mla_parameters(config)
     qkv_out = config.query_projection_size + 2 * config.kv_projection_size
+    bias = config.add_bias_linear
+    attn = h * qkv_out + (qkv_out if bias or config.add_qkv_bias else 0)
+    attn += config.query_projection_size * h + (h if bias else 0)
+    if config.qk_layernorm:
+        attn += 2 * _norm_params(config, d)
+    return attn
+
+
+def _dense_mlp_parameters(config: TransformerConfig, ffn: int) -> int:
     fc1_out = ffn * (2 if config.gated_linear_unit else 1)
     bias = config.add_bias_linear
-    if config.multi_latent_attention:
-        attn = _mla_parameters(config)
+    return (
+        config.hidden_size * fc1_out
+        + ffn * config.hidden_size
+        + ((fc1_out + config.hidden_size) if bias else 0)
+    )
+
+
+def _moe_parameters(config: TransformerConfig, active: bool) -> int:
+    """Router `[E, h]`, E experts (`active`: only the top-k a token uses), shared experts
+    (a dense MLP, with Qwen2-MoE's gate `[1, h]`); the expert bias is a buffer."""
+    h, experts = config.hidden_size, config.num_moe_experts
+    assert experts is not None, "a MoE layer has experts"
+    used = config.moe_router_topk if active else experts
+    n = experts * h + used * _dense_mlp_parameters(config, config.moe_ffn_size)
+    shared = config.moe_shared_expert_intermediate_size
+    if shared:
+        n += _dense_mlp_parameters(config, shared) + (h if config.moe_shared_expert_gate else 0)
+    return n
+
+
+def num_parameters_per_layer(
+    config: TransformerConfig, moe: bool = False, active: bool = False
+) -> int:
+    """One decoder layer: attention, its MLP (dense, or MoE with `moe`: all experts, or the
+    top-k a token uses with `active`) and its two norms."""
+    assert config.ffn_hidden_size is not None, "TransformerConfig.__post_init__ fills it in"
+    if moe:
+        mlp = _moe_parameters(config, active)
     else:
-        attn = h * qkv_out + (qkv_out if bias or config.add_qkv_bias else 0)
-        attn += config.query_projection_size * h + (h if bias else 0)
-        if config.qk_layernorm:
-            attn += 2 * _norm_params(config, d)
-    mlp = h * fc1_out + ffn * h + ((fc1_out + h) if bias else 0)
-    return attn + mlp + 2 * _norm_params(config, h)
+        mlp = _dense_mlp_parameters(config, config.ffn_hidden_size)
+    return _attention_parameters(config) + mlp + 2 * _norm_params(config, config.hidden_size)
 
 
 def num_parameters(
@@ -70,20 +103,24 @@ def num_parameters(
     padded_vocab_size: int,
     max_sequence_length: int = 0,
     share_embeddings_and_output_weights: bool | None = None,
+    *,
+    active: bool = False,
 ) -> int:
-    """Parameters of the whole model (all stages, tp=1); tied embeddings counted once."""
+    """Parameters of the whole model (all stages, tp=1); tied embeddings counted once.
+
+    `active`: those one token uses (MoE layers count their top-k experts only; DeepSeek's
+    "activated parameters"). MTP depths count their own tensors (norms, eh_proj, a layer
+    of the last decoder layer's kind), not the embedding and output layer they share."""
     tied = (
         config.share_embeddings_and_output_weights
         if share_embeddings_and_output_weights is None
         else share_embeddings_and_output_weights
     )
     h = config.hidden_size
-    n = config.num_layers * num_parameters_per_layer(config) + _norm_params(config, h)
-    n += padded_vocab_size * h * (1 if tied else 2)
-    # MTP depths: enorm, hnorm, final norm, eh_proj [h, 2h], one layer (the embedding and
-    # output layer are the model's)
-    per_depth = 3 * _norm_params(config, h) + 2 * h * h + num_parameters_per_layer(config)
-    n += (config.mtp_num_layers or 0) * per_depth
+    n = _norm_params(config, h) + padded_vocab_size * h * (1 if tied else 2)
+    for layer in range(1, config.num_layers_with_mtp + 1):
+        n += num_parameters_per_layer(config, config.is_moe_layer(layer), active)
+    n += (config.mtp_num_layers or 0) * (3 * _norm_params(config, h) + 2 * h * h)
     if config.position_embedding_type == "learned_absolute":
         n += max_sequence_length * h
     return n
