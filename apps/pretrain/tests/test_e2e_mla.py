@@ -82,12 +82,16 @@ def test_mla_checkpoint_resumes_at_another_layout(distributed, reference, tmp_pa
         )
 
 
-def test_memory_calculator_refuses_mla_by_name():
+def test_memory_calculator_sizes_mla_and_refuses_mla_with_cp_by_name():
     from pentatron.pretrain.arguments import parse_args, validate_args
     from pentatron.pretrain.memory import MemoryPlanError, plan_from_args
+    from pentatron.pretrain.memory.activations import stage_activations
 
-    args = validate_args(parse_args([*COMMON, "--position-embedding-type", "rope"]), 1)
-    with pytest.raises(MemoryPlanError, match=r"^--multi-latent-attention: "):
+    args = validate_args(parse_args(COMMON), 1)
+    assert stage_activations(plan_from_args(args), 0).per_microbatch.attention > 0
+    cp = ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+    args = validate_args(parse_args([*COMMON, *cp, "--sequence-parallel"]), 4)
+    with pytest.raises(MemoryPlanError, match=r"^--multi-latent-attention with "):
         plan_from_args(args)
 
 

@@ -335,8 +335,10 @@ def test_moe_flag_at_its_default_beats_the_preset():
     argv += ["--expert-model-parallel-size", "8"]
     argv += ["--sequence-parallel", "--pipeline-model-parallel-size", "1"]
     assert build_plan(argv)[0].config.moe_router_topk == 8  # the preset's
-    # 2 is the app's default for --moe-router-topk; given, it wins
-    assert build_plan([*argv, "--moe-router-topk", "2"])[0].config.moe_router_topk == 2
+    # 2 is the app's default for --moe-router-topk; given, it wins (with a group top-k
+    # that fits it: the preset's 4 of 8 groups needs top-k >= 4)
+    given = [*argv, "--moe-router-topk", "2", "--moe-router-group-topk", "2"]
+    assert build_plan(given)[0].config.moe_router_topk == 2
 
 
 # --- GPT-3 175B activations against Korthikanti, from the CLI's JSON ---------------------
@@ -440,7 +442,7 @@ def test_hf_qwen2_moe_layers_and_gated_shared_expert(tmp_path, capsys):
     assert _hf(tmp_path, capsys, cfg) == want == _hf_model_params(cfg)
 
 
-def test_hf_deepseek_v3_moe_keys(tmp_path, capsys):
+def test_hf_deepseek_v3_mla_moe_and_mtp(tmp_path, capsys):
     cfg = {
         **TINY_HF,
         "num_hidden_layers": 3,
@@ -451,22 +453,53 @@ def test_hf_deepseek_v3_moe_keys(tmp_path, capsys):
         "moe_intermediate_size": 32,
         "n_shared_experts": 2,
         "first_k_dense_replace": 1,  # layer 0 dense, layers 1 and 2 MoE
+        "q_lora_rank": 24,
+        "kv_lora_rank": 20,
         "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
+        "v_head_dim": 12,
+        "num_nextn_predict_layers": 1,
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     plan, _ = build_plan(["--hf-config", str(path)])
-    assert plan.config.moe_layer_pattern() == [False, True, True]
-    assert (plan.config.num_moe_experts, plan.config.moe_router_topk) == (8, 2)
-    assert plan.config.moe_shared_expert_intermediate_size == 2 * 32
-    # MLA sized as MHA of head dim 16 + 8 = 24 (documented; not HF's MLA count)
-    qd = 4 * 24
-    attn = 3 * qd * H + H * qd + 2 * H
+    c = plan.config
+    assert c.moe_layer_pattern() == [False, True, True] and c.is_moe_layer(4)  # MTP: MoE
+    assert (c.num_moe_experts, c.moe_router_topk) == (8, 2)
+    assert c.moe_shared_expert_intermediate_size == 2 * 32
+    assert (c.multi_latent_attention, c.q_lora_rank, c.kv_lora_rank) == (True, 24, 20)
+    assert c.mtp_num_layers == 1
+    # MLA by hand: q down + its norm + q up, kv down (latent + RoPE dims) + its norm + kv
+    # up, o; 4 heads of 16 + 8 q/k dims and 12 v dims
+    heads = 4
+    attn = H * 24 + 24 + 24 * heads * 24 + H * (20 + 8) + 20 + 20 * heads * (16 + 12)
+    attn += heads * 12 * H + 2 * H  # o, the layer's two norms
     moe = 8 * H + 8 * 3 * 32 * H + 3 * 64 * H
-    want = EMBED + 3 * attn + 3 * F * H + 2 * moe
+    mtp = 3 * H + 2 * H * H + attn + moe  # enorm, hnorm, final norm, eh_proj, a MoE layer
+    want = EMBED + 3 * attn + 3 * F * H + 2 * moe + mtp
     assert sum(s.num_parameters for s in memory_report(plan)) == want
+
+
+def test_deepseek_v3_preset_totals_are_the_published_ones():
+    """The preset at one rank of every kind: 671B parameters (37B activated) as published
+    (arXiv 2412.19437), plus the MTP layer; the report's per-stage sum equals the closed
+    form over the model (pp4: stages hold 16 + 15 + 15 + 15 layers, the last the MTP
+    depth and its copy of the embedding)."""
+    import dataclasses
+
+    from pentatron.models import num_parameters
+
+    argv = ["--preset", "deepseek-v3", "--world-size", "4", "--pipeline-model-parallel-size", "4"]
+    argv += ["--decoder-first-pipeline-num-layers", "16"]
+    plan, _ = build_plan(argv)
+    c = plan.config
+    total = num_parameters(c, plan.padded_vocab_size)
+    no_mtp = dataclasses.replace(c, mtp_num_layers=None)
+    assert num_parameters(no_mtp, plan.padded_vocab_size) == pytest.approx(671e9, rel=1e-3)
+    active = num_parameters(no_mtp, plan.padded_vocab_size, active=True)
+    assert 37e9 <= active < 38e9
+    copy = plan.padded_vocab_size * c.hidden_size  # the MTP stage's embedding copy
+    assert sum(s.num_parameters for s in memory_report(plan)) == total + copy
 
 
 def test_hf_sequence_length_is_max_positions_unless_given(tmp_path, capsys):

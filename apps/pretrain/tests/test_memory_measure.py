@@ -58,6 +58,12 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 EP2 = ["--expert-model-parallel-size", "2"]
 A2A, ALLGATHER = (["--moe-token-dispatcher-type", d] for d in ("alltoall", "allgather"))
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# DeepSeek's multi-latent attention (q latent 32, kv latent 16, q/k 16 + 8 RoPE dims, v 16;
+# CPU SDPA takes its math kernel: v's head dim differs) and multi-token prediction
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"]
+MLA += ["--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+MLA += ["--qk-layernorm", "--transformer-impl", "local"]
+MTP = ["--mtp-num-layers", "2"]
 
 LAYOUTS = {
     1: {
@@ -79,6 +85,14 @@ LAYOUTS = {
             "block",
             "--recompute-num-layers",
             "1",
+        ],
+        "mla-bf16-mtp": BF16 + MLA + MTP,
+        "mla-qdirect-selective": [f for f in MLA if f not in ("--q-lora-rank", "32")]
+        + ["--recompute-granularity", "selective"],
+        "mtp-full-uniform-learned": [
+            *MTP,
+            *("--position-embedding-type", "learned_absolute", "--recompute-granularity"),
+            *("full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
         ],
     },
     2: {
@@ -104,6 +118,14 @@ LAYOUTS = {
         ],
         "moe-ep2-a2a": MOE + EP2 + A2A + ["--global-batch-size", "4"],
         "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
+        "mla-tp2-sp-bf16-mtp": BF16 + MLA + TP2_SP + MTP,
+        "mla-tp2-nosp": [*MLA, "--tensor-model-parallel-size", "2"],
+        "mtp-pp2-untied-distopt": [
+            *MTP,
+            *("--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),
+            *("--use-distributed-optimizer", "--global-batch-size", "8"),
+            "--calculate-per-token-loss",
+        ],
         "cp2-all_gather-bf16": [
             *BF16,
             "--context-parallel-size",
@@ -156,6 +178,17 @@ LAYOUTS = {
         + ["--moe-shared-expert-intermediate-size", "64", "--use-distributed-optimizer"]
         + ["--global-batch-size", "8"],
         "tp2-sp-cp2-p2p": BF16 + TP2_SP + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
+        # DeepSeek's kind: MLA, a dense first layer then MoE (a shared expert), MTP (a MoE
+        # layer, like the last), ep2 with tp2 + SP
+        "moe-mla-mtp-tp2-sp-ep2": BF16
+        + MOE
+        + MLA
+        + MTP
+        + TP2_SP
+        + EP2
+        + A2A
+        + ["--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "64"]
+        + ["--global-batch-size", "4"],
     },
 }
 CASES = [(w, name) for w, layouts in LAYOUTS.items() for name in layouts]

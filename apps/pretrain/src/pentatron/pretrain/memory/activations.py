@@ -30,7 +30,8 @@ tokens/labels/mask/positions share one storage), with tp the local ids `8 bs` an
 foreign mask `bs` instead, plus the batch again with learned positions (their lookup keeps
 the position ids, a view of it); output: final norm, fp32 softmax of the logits
 `4 s b V/t`, labels `8 bs`, the foreign-target mask `bs`, the loss mask `4 bs` and the
-token count.
+token count (not with per-token loss). Multi-latent attention: `_mla_terms`; the MTP
+depths on the last chunk: `_mtp_terms` (that stage then gets the position ids too).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class ActivationTerms:
     rope: int = 0
     output_layer: int = 0
     final_norm: int = 0
+    mtp: int = 0  # the multi-token-prediction depths (last chunk)
 
     @property
     def total(self) -> int:
@@ -81,6 +83,7 @@ def _norm_bytes(plan: MemoryPlan, s_: int, b: int, e: int) -> int:
 
 
 def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms:
+    """One transformer layer; `first`: position ids come with the batch (see _pos_batch)."""
     c, t, b, e = plan.config, plan.tp, plan.micro_batch_size, plan.param_bytes
     s = _seq(plan)
     s_ = s // t if c.sequence_parallel else s
@@ -88,7 +91,10 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
     sb = s * b
     out = ActivationTerms()
     out.attention_norm = out.mlp_norm = _norm_bytes(plan, s_, b, e)
-    att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
+    if c.multi_latent_attention:
+        att, core = _mla_terms(plan, s, s_, b, e)
+    else:
+        att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
     if c.position_embedding_type == "rope" and e != 4:
         att += 4 * e * s * _pos_batch(plan, first) * c.rotary_dim  # cos/sin casts, q and k
     out.attention, out.core_attention = att, core
@@ -137,6 +143,86 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
         att += 2 * e * sb * nq * d
     core = e * sb * nq * d + (0 if selective else 4 * b * nq * sb // b)
     return att, core
+
+
+def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, int]:
+    """(latent bytes, core-attention bytes) of one multi-latent attention layer (n = heads
+    per tp rank, d_q = qk_head_dim + qk_pos_emb_head_dim, r_q / r_kv the latent ranks):
+    - the q latent as all-gathered over tp `e s b r_q` (under SP its norm keeps a view of
+      it); with the latent norms also their fp32 rstd `4 s'b` and the normed latent
+      `e s'b r_q` (the up-projection's input);
+    - the kv latent: a view of the down-projection's gathered output `e sb (r_kv + d_pe)`,
+      or under SP the sequence scatter's copy `e s'b r_kv`; with the norm its rstd and
+      output `e s'b r_kv`;
+    - RoPE keeps only its cos / sin (and their 16-bit casts, added by the caller);
+    - core attention on CUDA (the memory-efficient kernel, as flash needs one head dim for
+      q, k and v): q and k `2 e sb n d_q` (the concatenations), v as a view of the kv
+      up-projection `e sb n (d_qk + d_v)`, the output `e sb n d_v` and the fp32
+      log-sum-exp `4 b n ceil(s/32) 32`; on the CPU SDPA's math kernel: fp32 copies of
+      q (scaled) and k^T `2 x 4 sb n d_q`, the fp32 probabilities `4 b n s^2` and v (fp32:
+      the up-projection's view; 16-bit: an fp32 copy `4 sb n d_v`). Selective recompute
+      (core_attn) keeps the checkpoint's q, k and v instead;
+    - linear_proj's input `e sb n d_v`."""
+    c, t = plan.config, plan.tp
+    n, d_q = c.num_attention_heads // t, c.qk_head_dim + c.qk_pos_emb_head_dim
+    sb, sb_, norms = s * b, s_ * b, c.qk_layernorm
+    att = 0
+    if c.q_lora_rank is not None:
+        att += e * sb * c.q_lora_rank + ((4 + e * c.q_lora_rank) * sb_ if norms else 0)
+    r_kv = c.kv_lora_rank
+    if c.sequence_parallel:
+        att += e * sb_ * r_kv
+    else:
+        att += e * sb * (r_kv + c.qk_pos_emb_head_dim)
+    att += (4 + e * r_kv) * sb_ if norms else 0
+    kv_up = e * sb * n * (c.qk_head_dim + c.v_head_dim)  # v is a view of it
+    if c.recompute_granularity == "selective":
+        core = 2 * e * sb * n * d_q + kv_up
+    elif plan.device == "cpu":
+        core = (
+            2 * 4 * sb * n * d_q
+            + 4 * b * n * s * s
+            + (kv_up if e == 4 else 4 * sb * n * c.v_head_dim)
+        )
+    else:
+        core = (
+            2 * e * sb * n * d_q
+            + kv_up
+            + e * sb * n * c.v_head_dim
+            + 4 * b * n * (-(-s // 32) * 32)
+        )
+    return att, core + e * sb * n * c.v_head_dim
+
+
+def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> int:
+    """Saved bytes of the MTP depths (last chunk), per depth k:
+    - the embedding of the rolled ids: the ids `8 bs` (tp > 1: with the foreign mask `bs`;
+      learned positions: the rolled position ids `8 bs`), its output `e s'bh` (kept by
+      enorm) and enorm's rstd; hnorm's rstd (its input, h_{k-1}, is kept by an output
+      layer already); eh_proj's input, the concatenation `e s'b 2h`;
+    - the layer (built like the last decoder layer); its input is eh_proj's output
+      gathered over tp: under SP the first norm keeps a view of the whole `[s, b, h]`;
+    - its final norm; the output layer as the main one's (fp32 softmax `4 sb V/t`, labels
+      `8 sb`, foreign mask `sb`), the rolled loss mask `4 bs` and the token count `4`;
+    - full recompute: a depth is one checkpoint, keeping its embedding output and its
+      output `2 e s'bh` besides the ids and the output layer's terms.
+    Once: the attached total `4` (with per-token loss also the unrolled token count `4`,
+    which every depth's term is multiplied by)."""
+    c, t, h = plan.config, plan.tp, plan.config.hidden_size
+    sb, sb_ = s * b, s_ * b
+    ids = 8 * sb + (sb if t > 1 else 0)
+    if c.position_embedding_type == "learned_absolute":
+        ids += 8 * sb
+    output = 4 * sb * plan.padded_vocab_size // t + (8 + 1 + 4) * sb + 4
+    if c.recompute_granularity == "full":
+        per_depth = ids + 2 * e * sb_ * h + output
+    else:
+        rstd = 4 if c.normalization == "RMSNorm" else 8
+        per_depth = ids + e * sb_ * h + 2 * rstd * sb_ + 2 * e * sb_ * h
+        layer = _layer_terms(plan, c.is_moe_layer(c.num_layers + 1), True)
+        per_depth += layer.total + (e * (sb - sb_) * h if c.sequence_parallel else 0)
+        per_depth += _norm_bytes(plan, s_, b, e) + output
+    return (c.mtp_num_layers or 0) * per_depth + 4 + (4 if c.calculate_per_token_loss else 0)
 
 
 def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
@@ -234,8 +320,9 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     layers = list(chunk_layers(plan, pp_rank, vp))
     moe = c.moe_layer_pattern() if c.is_moe else [False] * c.num_layers
     out = ActivationTerms()
+    mtp = bool(c.mtp_num_layers) and last  # the MTP stage gets the position ids too
     if c.position_embedding_type == "rope" and (e == 4 or c.recompute_granularity == "full"):
-        out.rope = 2 * 4 * s * _pos_batch(plan, first) * c.rotary_dim
+        out.rope = 2 * 4 * s * _pos_batch(plan, first or mtp) * c.rotary_dim
     if first:
         # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask,
         # and the batch storage when learned positions keep their ids (a view of it);
@@ -248,11 +335,15 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     stored = _stored_layers(plan, len(layers))
     for i, layer in enumerate(layers):
         if i in stored:
-            out.add(_layer_terms(plan, moe[layer], first))
+            out.add(_layer_terms(plan, moe[layer], first or mtp))
     out.recompute_inputs = _num_checkpoints(plan, len(layers)) * e * s_ * b * c.hidden_size
     if last:
         out.final_norm = _norm_bytes(plan, s_, b, e)
-        out.output_layer = 4 * s * b * plan.padded_vocab_size // t + (8 + 1 + 4) * s * b + 4
+        # the token count the loss is divided by (not with per-token loss: the step divides)
+        count = 0 if c.calculate_per_token_loss else 4
+        out.output_layer = 4 * s * b * plan.padded_vocab_size // t + (8 + 1 + 4) * s * b + count
+    if mtp:
+        out.mtp = _mtp_terms(plan, s, s_, b, e)
     return out
 
 

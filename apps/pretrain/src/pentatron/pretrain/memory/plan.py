@@ -44,20 +44,25 @@ class MemoryPlan:
     device: str = "cuda"
 
     def __post_init__(self) -> None:
-        if self.config.multi_latent_attention:
-            raise MemoryPlanError(
-                "--multi-latent-attention: the activation model covers standard attention "
-                "only; MLA's latents and 192-dim q/k are not sized yet (the parameter count "
-                "is); fix: size the run without the flag for now, or measure it with "
-                "torchrun -m pentatron.pretrain.memory.measure"
-            )
-        if self.config.mtp_num_layers:
-            raise MemoryPlanError(
-                "--mtp-num-layers: the plan sizes the decoder only; the MTP layers, their "
-                "logits and the last stage's embedding copy are not sized yet; fix: size the "
-                "run without the flag for now, or measure it with "
-                "torchrun -m pentatron.pretrain.memory.measure"
-            )
+        c = self.config
+        refused = [
+            (
+                c.multi_latent_attention and c.context_parallel_size > 1,
+                "--multi-latent-attention with --context-parallel-size > 1: the cp kernels' "
+                "zero-padded V is not sized yet",
+                "size it at cp 1, or measure it with torchrun -m pentatron.pretrain.memory.measure",
+            ),
+            (
+                "mla_up_proj" in (c.recompute_modules or ())
+                and c.recompute_granularity == "selective",
+                "--recompute-modules mla_up_proj: the output-discarding checkpoint is not "
+                "sized yet",
+                "size it without mla_up_proj (an upper bound), or measure it",
+            ),
+        ]
+        for bad, what, fix in refused:
+            if bad:
+                raise MemoryPlanError(f"{what}; fix: {fix}")
 
     @property
     def tp(self) -> int:

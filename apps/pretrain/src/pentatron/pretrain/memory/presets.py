@@ -8,12 +8,11 @@ command line override the preset's (parallel layout, batch, recompute, ...).
 - `llama3-8b` / `llama3-70b` / `llama3-405b`: Meta's configs (RMSNorm, SwiGLU, GQA with 8
   groups, RoPE base 500000, V 128256, untied embeddings, s 8192).
 - `mixtral-8x7b`: 32 layers, h 4096, GQA 8, 8 experts top-2, expert ffn 14336, V 32000.
-- `deepseek-v3`: 61 layers, h 7168, 128 heads, 256 routed experts top-8 (ffn 2048) plus one
-  shared expert, V 129280, first 3 layers dense (ffn 18432). Its Multi-head Latent
-  Attention is approximated as GQA with its dims: 128 heads of head dim 192 (128 nope +
-  64 rope) and 128 query groups, i.e. MHA with kv_channels 192 (MLA's low-rank q/kv
-  compression and its smaller KV activations are not modelled); multi-token prediction
-  is left out.
+- `deepseek-v3`: 61 layers, h 7168, 128 heads of multi-latent attention (q latent 1536,
+  kv latent 512, q/k 128 + 64 RoPE dims, v 128, YaRN factor 40), 256 routed experts top-8
+  (ffn 2048) in 4 of 8 groups with sigmoid scores and the expert bias, plus one shared
+  expert, V 129280, first 3 layers dense (ffn 18432), one MTP depth: 671B parameters
+  (37B activated) plus the MTP layer's 11.6B.
 """
 
 from __future__ import annotations
@@ -104,12 +103,27 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "num_layers": 61,
             "hidden_size": 7168,
             "num_attention_heads": 128,
-            "num_query_groups": 128,
-            "kv_channels": 192,
+            "group_query_attention": False,
+            "num_query_groups": None,
             "ffn_hidden_size": 18432,
             "vocab_size": 129280,
             "seq_length": 4096,
             "rotary_base": 10000.0,
+            "norm_epsilon": 1e-6,
+            **{
+                "multi_latent_attention": True,
+                "q_lora_rank": 1536,
+                "kv_lora_rank": 512,
+                "qk_head_dim": 128,
+                "qk_pos_emb_head_dim": 64,
+                "v_head_dim": 128,
+                "qk_layernorm": True,
+                "rotary_scaling_factor": 40.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "transformer_impl": "local",
+            },
+            "mtp_num_layers": 1,
         },
         {
             "num_moe_experts": 256,
@@ -117,6 +131,11 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "moe_ffn_hidden_size": 2048,
             "moe_shared_expert_intermediate_size": 2048,
             "moe_layer_freq": [0, 0, 0] + [1] * 58,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": 8,
+            "moe_router_group_topk": 4,
+            "moe_router_topk_scaling_factor": 2.5,
         },
     ),
 }
@@ -200,11 +219,35 @@ def _hf_flags(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]
         flags["seq_length"] = int(cfg["max_position_embeddings"])
         flags["max_position_embeddings"] = flags["seq_length"]
     if model_type.startswith("deepseek"):
-        # MLA sized as MHA over its query/key head dim (as the deepseek-v3 preset; the
-        # low-rank q/kv projections and the smaller KV activations are not modelled).
-        flags["num_query_groups"] = heads
-        flags["kv_channels"] = cfg.get("qk_nope_head_dim", 128) + cfg.get("qk_rope_head_dim", 64)
+        flags.update(_hf_mla(cfg, heads))
     return flags
+
+
+def _hf_mla(cfg: dict[str, Any], heads: int) -> dict[str, Any]:
+    """DeepSeek's multi-latent attention (HF's defaults where a key is absent: DeepSeek-V3's)
+    and its MTP depths (`num_nextn_predict_layers`)."""
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    out: dict[str, Any] = {
+        "group_query_attention": False,
+        "num_query_groups": heads,
+        "kv_channels": None,
+        "multi_latent_attention": True,
+        "q_lora_rank": cfg.get("q_lora_rank", 1536),
+        "kv_lora_rank": cfg.get("kv_lora_rank", 512),
+        "qk_head_dim": cfg.get("qk_nope_head_dim", 128),
+        "qk_pos_emb_head_dim": cfg.get("qk_rope_head_dim", 64),
+        "v_head_dim": cfg.get("v_head_dim", 128),
+        "qk_layernorm": True,
+        "transformer_impl": "local",
+        "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+    }
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        out["rotary_scaling_factor"] = float(rope.get("factor", 1.0))
+        out["mscale"] = float(rope.get("mscale", 1.0))
+        out["mscale_all_dim"] = float(rope.get("mscale_all_dim", 0.0))
+    if cfg.get("num_nextn_predict_layers"):
+        out["mtp_num_layers"] = int(cfg["num_nextn_predict_layers"])
+    return out
 
 
 def _hf_biases(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]:

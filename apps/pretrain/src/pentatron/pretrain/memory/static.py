@@ -48,8 +48,37 @@ def _linear(name: str, out_f: int, in_f: int, bias: bool, expert=False) -> list[
     return specs + ([ParamSpec(f"{name}.bias", out_f, expert)] if bias else [])
 
 
+def _mla(plan: MemoryPlan, p: str) -> list[ParamSpec]:
+    """MLASelfAttention, in construction order: q (direct, or down, up and the latent norm),
+    kv down (latent and k_pe rows), kv up, the kv latent norm, linear_proj; the linears
+    split by output rows over tp, linear_proj by its input columns (heads)."""
+    c, t, h = plan.config, plan.tp, plan.config.hidden_size
+    n, q_out = (
+        c.num_attention_heads,
+        c.num_attention_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim),
+    )
+    norms = c.qk_layernorm
+    if c.q_lora_rank is None:
+        out = _linear(f"{p}.linear_q_proj", q_out // t, h, False)
+    else:
+        r = c.q_lora_rank
+        out = _linear(f"{p}.linear_q_down_proj", r // t, h, False)
+        out += _linear(f"{p}.linear_q_up_proj", q_out // t, r, False)
+        out += _norm(plan, f"{p}.q_layernorm", r) if norms else []
+    r_kv = c.kv_lora_rank
+    out += _linear(f"{p}.linear_kv_down_proj", (r_kv + c.qk_pos_emb_head_dim) // t, h, False)
+    out += _linear(f"{p}.linear_kv_up_proj", n * (c.qk_head_dim + c.v_head_dim) // t, r_kv, False)
+    out += _norm(plan, f"{p}.kv_layernorm", r_kv) if norms else []
+    out += _linear(f"{p}.linear_proj", h, n * c.v_head_dim // t, False)
+    if c.add_bias_linear:
+        out.append(ParamSpec(f"{p}.linear_proj.bias", h))
+    return out
+
+
 def _attention(plan: MemoryPlan, p: str) -> list[ParamSpec]:
     c, t = plan.config, plan.tp
+    if c.multi_latent_attention:
+        return _mla(plan, p)
     qkv = (c.query_projection_size + 2 * c.kv_projection_size) // t
     out = _linear(f"{p}.linear_qkv", qkv, c.hidden_size, c.add_bias_linear or c.add_qkv_bias)
     out += _linear(f"{p}.linear_proj", c.hidden_size, c.query_projection_size // t, False)
@@ -110,28 +139,43 @@ def chunk_parameters(plan: MemoryPlan, pp_rank: int, vp: int) -> list[ParamSpec]
     first, last = is_first_chunk(plan, pp_rank, vp), is_last_chunk(plan, pp_rank, vp)
     tied = c.share_embeddings_and_output_weights
     vocab = plan.padded_vocab_size // plan.tp
+    # MTP on the last stage: it holds a copy of the embedding, tied over the pipeline
+    mtp = bool(c.mtp_num_layers) and last
+    split_mtp = bool(c.mtp_num_layers) and plan.pp > 1
     out: list[ParamSpec] = []
-    if first:
-        out.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, False, tied))
+    if first or mtp:
+        out.append(
+            ParamSpec("embedding.word_embeddings.weight", vocab * h, False, tied or split_mtp)
+        )
         if c.position_embedding_type == "learned_absolute":
             positions = plan.max_position_embeddings or plan.seq_length
-            out.append(ParamSpec("embedding.position_embeddings.weight", positions * h))
-    moe = c.moe_layer_pattern() if c.is_moe else [False] * c.num_layers
+            out.append(
+                ParamSpec("embedding.position_embeddings.weight", positions * h, False, split_mtp)
+            )
     for i, layer in enumerate(chunk_layers(plan, pp_rank, vp)):
-        p = f"decoder.layers.{i}"
-        out += _norm(plan, f"{p}.input_layernorm", h)
-        out += _attention(plan, f"{p}.self_attention")
-        out += _norm(plan, f"{p}.pre_mlp_layernorm", h)
-        out += (
-            _moe(plan, f"{p}.mlp")
-            if moe[layer]
-            else _dense_mlp(plan, f"{p}.mlp", c.ffn_hidden_size)
-        )
+        out += _layer(plan, f"decoder.layers.{i}", layer + 1)
     if last:
         out += _norm(plan, "decoder.final_layernorm", h)
-        if not tied or not first:
-            out.append(ParamSpec("output_layer.weight", vocab * h, False, tied))
+    for k in range(c.mtp_num_layers or 0) if mtp else ():
+        p = f"mtp.layers.{k}"
+        out += _norm(plan, f"{p}.enorm", h) + _norm(plan, f"{p}.hnorm", h)
+        out += _linear(f"{p}.eh_proj", h // plan.tp, 2 * h, False)
+        out += _layer(plan, f"{p}.mtp_model_layer", c.num_layers + k + 1)
+        out += _norm(plan, f"{p}.final_layernorm", h)
+    if last and (not tied or not (first or mtp)):
+        out.append(ParamSpec("output_layer.weight", vocab * h, False, tied))
     return out
+
+
+def _layer(plan: MemoryPlan, p: str, layer_number: int) -> list[ParamSpec]:
+    """One transformer layer (`layer_number` 1-based; past num_layers: an MTP layer)."""
+    c, h = plan.config, plan.config.hidden_size
+    out = _norm(plan, f"{p}.input_layernorm", h)
+    out += _attention(plan, f"{p}.self_attention")
+    out += _norm(plan, f"{p}.pre_mlp_layernorm", h)
+    if c.is_moe and c.is_moe_layer(layer_number):
+        return out + _moe(plan, f"{p}.mlp")
+    return out + _dense_mlp(plan, f"{p}.mlp", c.ffn_hidden_size)
 
 
 @dataclass
