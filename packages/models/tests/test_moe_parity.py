@@ -12,7 +12,8 @@ all-reduced over dp-cp, expert grads (`allreduce=False`) over edp, both divided 
 
 Layouts: ep in {1, 2, 4}, etp in {1, 2}, tp in {1, 2}, pp in {1, 2}, each dispatcher with
 grouped-GEMM (really `torch._grouped_mm` on CPU fp32) and sequential experts, and shared
-experts (gated) at tp2-sp-ep2 and pp2-ep2; see LAYOUTS.
+experts (gated) at tp2-sp-ep2 and pp2-ep2, and DeepSeek's kind (multi-latent attention with
+a shared expert) at ep2 and tp2-sp-ep2; see LAYOUTS.
 
 Capacity (factor 1.0, token dropping; the reference must drop > 0 assignments) is tested
 at tp = 1 only: capacity is per rank over the tokens that rank routes (as Megatron), and
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _gpt import DIVISIBLE_BY, TOL, VOCAB, B, S, microbatches
-from _moe import moe_config, moe_spec
+from _moe import MLA, moe_config, moe_spec
 
 from pentatron.models import (
     GPTModel,
@@ -80,13 +81,18 @@ LAYOUTS = [  # (tp, pp, ep, etp, dispatcher, grouped, capacity_factor, pad)
     # shared experts (width 24, sigmoid gate) beside the routed ones: dense tp-sharded MLP
     (2, 1, 2, 1, "alltoall", True, None, False, 24),
     (1, 2, 2, 1, "allgather", False, None, False, 24),
+    # DeepSeek's kind: multi-latent attention with a shared expert, at ep2 and tp2-ep2
+    (1, 1, 2, 1, "alltoall", True, None, False, 24, "mla"),
+    (2, 1, 2, 1, "alltoall", False, None, False, 24, "mla"),
 ]
 
 
 def _config(layout):
     tp, pp, ep, etp, disp, grouped, cf, pad = layout[:8]
     shared = layout[8] if len(layout) > 8 else None
+    mla = MLA if layout[9:] == ("mla",) else {}
     return moe_config(
+        **mla,
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=shared is not None,
         tensor_model_parallel_size=tp,
@@ -135,7 +141,8 @@ def _reference(layout):
         expert_tensor_parallel_size=1,
     )
     torch.manual_seed(0)
-    model = GPTModel(config, moe_spec(), VOCAB, S, make_vocab_size_divisible_by=DIVISIBLE_BY)
+    spec = moe_spec(config.multi_latent_attention)
+    model = GPTModel(config, spec, VOCAB, S, make_vocab_size_divisible_by=DIVISIBLE_BY)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dp, dropped = _dp(layout), []
     hooks = _count_drops(model, dropped)
@@ -182,7 +189,12 @@ def _case(layout, state):
         model_parallel_seed(1234, grid)
         config = _config(layout)
         chunks = build_model_chunks(
-            config, moe_spec(), VOCAB, S, grid, make_vocab_size_divisible_by=DIVISIBLE_BY
+            config,
+            moe_spec(config.multi_latent_attention),
+            VOCAB,
+            S,
+            grid,
+            make_vocab_size_divisible_by=DIVISIBLE_BY,
         )
         for c in chunks:
             load_full_state_dict(c, state)
