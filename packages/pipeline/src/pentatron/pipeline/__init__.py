@@ -25,6 +25,7 @@ from .schedules import (
     get_forward_backward_func,
 )
 from .timeline import Event, ScheduleDeadlock, Timeline, simulate, simulate_ops, to_chrome_trace
+from .zero_bubble import zb_h1_bubble_fraction, zb_h1_rank_schedule
 
 # the installed distribution's version, so it never drifts from pyproject.toml
 __version__ = _distribution_version("pentatron-pipeline")
@@ -56,6 +57,8 @@ __all__ = [
     "rank_schedule",
     "simulate",
     "simulate_ops",
+    "zb_h1_bubble_fraction",
+    "zb_h1_rank_schedule",
     "tensor_shape",
     "to_chrome_trace",
     "warmup_count",

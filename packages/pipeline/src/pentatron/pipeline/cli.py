@@ -2,6 +2,10 @@
 
     pentatron-pipeline-timeline --pp 4 --vpp 2 --num-microbatches 8 \
         --png timeline.png --chrome-trace timeline.json
+    pentatron-pipeline-timeline --pp 4 --num-microbatches 8 --schedule zb-h1 --png zb.png
+
+`--schedule zb-h1` draws the zero-bubble table (B: input gradient, W: weight gradient; B and
+W cost 1 each unless given); the executors run 1F1B and interleaving only so far.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from .bubble import bubble_report, ideal_bubble_fraction
 from .config import PipelineConfig, check_schedule
 from .render import render_png
 from .timeline import simulate, to_chrome_trace
+from .zero_bubble import zb_h1_bubble_fraction
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-microbatches", "-m", type=int, required=True)
     ap.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
     ap.add_argument("--forward-cost", type=float, default=1.0)
-    ap.add_argument("--backward-cost", type=float, default=2.0)
+    ap.add_argument(
+        "--schedule",
+        choices=["1f1b", "interleaved", "zb-h1"],
+        default=None,
+        help="default: interleaved with --vpp, else 1f1b",
+    )
+    ap.add_argument("--backward-cost", type=float, default=None, help="default 2 (zb-h1: 1)")
+    ap.add_argument("--weight-cost", type=float, default=1.0, help="zb-h1's W")
     ap.add_argument("--p2p-cost", type=float, default=0.0)
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--png", default=None, help="write the Gantt chart here")
@@ -43,23 +55,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
     )
     check_schedule(config, pp=args.pp, vpp=args.vpp, num_microbatches=args.num_microbatches)
+    zb = args.schedule == "zb-h1"
+    backward = args.backward_cost if args.backward_cost is not None else (1.0 if zb else 2.0)
     events = simulate(
         args.pp,
         args.num_microbatches,
         args.vpp,
         args.microbatch_group_size_per_vp_stage,
         args.forward_cost,
-        args.backward_cost,
+        backward,
         args.p2p_cost,
         args.forward_only,
+        schedule=args.schedule,
+        weight_cost=args.weight_cost,
     )
     report = bubble_report(events)
     name = f"p={args.pp}" + (f", v={args.vpp}" if args.vpp else "") + f", m={args.num_microbatches}"
     print(f"{name}: {report.summary()}")
-    print(
-        f"closed form (p-1)/(v*m) = "
-        f"{ideal_bubble_fraction(args.pp, args.num_microbatches, args.vpp):.4f}"
-    )
+    if zb:
+        closed = zb_h1_bubble_fraction(
+            args.pp, args.num_microbatches, args.forward_cost, backward, args.weight_cost
+        )
+        print(f"closed form (p-1)(F+B-W)/(m(F+B+W)) = {closed:.4f}")
+    else:
+        closed = ideal_bubble_fraction(args.pp, args.num_microbatches, args.vpp)
+        print(f"closed form (p-1)/(v*m) = {closed:.4f}")
     if args.png:
         print(f"wrote {render_png(events, args.png, title=name)}")
     if args.chrome_trace:

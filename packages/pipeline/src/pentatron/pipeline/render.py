@@ -1,8 +1,9 @@
 """Gantt chart of a timeline as a PNG: matplotlib when installed (extra `plot`), else a
 small built-in rasteriser (zlib + struct), so the CLI works with torch alone.
 
-Rows are ranks (rank 0 on top); forward passes are blue, backward passes green (darker
-shades for higher chunks), idle time is white.
+Rows are ranks (rank 0 on top); forward passes are blue, backward passes green, a
+zero-bubble schedule's weight-gradient passes orange (darker shades for higher chunks),
+idle time is white.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from .timeline import COMPUTE_KINDS, Event
 
 _FORWARD = [(66, 133, 244), (25, 80, 170), (10, 45, 110), (5, 25, 70)]
 _BACKWARD = [(52, 168, 83), (20, 110, 50), (10, 70, 30), (5, 40, 15)]
+_WEIGHT = [(251, 140, 0), (200, 100, 0), (150, 70, 0), (100, 45, 0)]
+_SHADES = {"forward": _FORWARD, "backward": _BACKWARD, "weight": _WEIGHT}
 
 
 def _color(e: Event) -> tuple[int, int, int]:
-    shades = _FORWARD if e.kind == "forward" else _BACKWARD
+    shades = _SHADES[e.kind]
     return shades[min(e.chunk or 0, len(shades) - 1)]
 
 

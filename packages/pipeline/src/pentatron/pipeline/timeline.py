@@ -1,7 +1,8 @@
 """Timelines: record what each rank did and when, or simulate a schedule in logical time.
 
 An `Event` is (rank, start, end, kind, microbatch, chunk); kinds are "forward",
-"backward" (compute) and "p2p" (time inside a p2p exchange). A `Timeline` handed to a
+"backward", "weight" (compute: a zero-bubble schedule's backward is its input gradient and
+"weight" its weight gradient) and "p2p" (time inside a p2p exchange). A `Timeline` handed to a
 schedule records its events with a wall clock; `simulate` replays `rank_schedule` with
 given forward / backward / p2p costs, assuming sends never block (each op starts when its
 rank is free and its input has arrived), which is the schedule's logical cost model.
@@ -16,8 +17,9 @@ from dataclasses import dataclass, field
 
 from .schedule_table import Op, rank_schedule
 
-COMPUTE_KINDS = ("forward", "backward")
-_KIND_OF_OP = {"F": "forward", "B": "backward"}
+COMPUTE_KINDS = ("forward", "backward", "weight")
+_KIND_OF_OP = {"F": "forward", "B": "backward", "W": "weight"}
+_OP_OF_KIND = {kind: op for op, kind in _KIND_OF_OP.items()}
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Timeline:
                     f"{e.kind} event {e} has no microbatch or chunk; an op needs both "
                     "(record compute spans with span(kind, microbatch, chunk))"
                 )
-            ops.append(Op("F" if e.kind == "forward" else "B", e.microbatch, e.chunk))
+            ops.append(Op(_OP_OF_KIND[e.kind], e.microbatch, e.chunk))
         return ops
 
 
@@ -82,12 +84,15 @@ def simulate_ops(
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     p2p_cost: float = 0.0,
+    weight_cost: float = 1.0,
 ) -> list[Event]:
     """Logical-time run of per-rank op orders on p ranks with v chunks each.
 
     Chunk c on rank r is virtual stage s = c * p + r. F(mb, s) needs F(mb, s - 1) (plus
-    p2p_cost), B(mb, s) needs B(mb, s + 1) (plus p2p_cost) or, on the last stage, F(mb, s).
-    Each rank runs its ops in order, one at a time.
+    p2p_cost), B(mb, s) needs B(mb, s + 1) (plus p2p_cost) or, on the last stage, F(mb, s);
+    W(mb, s) needs B(mb, s) (same rank). Each rank runs its ops in order, one at a time.
+    `backward_cost` is a B's: a whole backward in 1F1B / interleaved, the input gradient
+    alone where the schedule has W's (`weight_cost`).
     """
     p = len(ops_per_rank)
     last = p * num_model_chunks - 1
@@ -98,6 +103,9 @@ def simulate_ops(
 
     def ready(op: Op, rank: int) -> float | None:
         s = op.chunk * p + rank
+        if op.kind == "W":
+            key = ("B", op.microbatch, s)
+            return done.get(key)
         if op.kind == "F":
             dep, hop = (("F", op.microbatch, s - 1), s > 0)
         else:
@@ -121,7 +129,8 @@ def simulate_ops(
                 if arrival is None:
                     break
                 start = max(free[r], arrival)
-                end = start + (forward_cost if op.kind == "F" else backward_cost)
+                cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}[op.kind]
+                end = start + cost
                 done[(op.kind, op.microbatch, op.chunk * p + r)] = end
                 events.append(Event(r, start, end, _KIND_OF_OP[op.kind], op.microbatch, op.chunk))
                 free[r] = end
@@ -142,17 +151,35 @@ def simulate(
     backward_cost: float = 2.0,
     p2p_cost: float = 0.0,
     forward_only: bool = False,
+    schedule: str | None = None,
+    weight_cost: float = 1.0,
 ) -> list[Event]:
-    """Simulate the schedule `get_forward_backward_func(pp, vpp)` runs (see `simulate_ops`)."""
-    ops = [rank_schedule(pp, r, num_microbatches, vpp, group_size, forward_only) for r in range(pp)]
-    return simulate_ops(ops, vpp or 1, forward_cost, backward_cost, p2p_cost)
+    """Simulate the schedule `get_forward_backward_func(pp, vpp)` runs (see `simulate_ops`),
+    or with `schedule="zb-h1"` the zero-bubble table (`zero_bubble`; its B is the input
+    gradient alone, so pass its cost as `backward_cost`)."""
+    if schedule == "zb-h1":
+        if vpp is not None or forward_only:
+            raise ValueError(
+                f"schedule='zb-h1' with vpp={vpp}, forward_only={forward_only}: the rule: "
+                "ZB-H1 has one chunk per rank and a backward; fix: vpp=None"
+            )
+        from .zero_bubble import zb_h1_rank_schedule
+
+        ops = [zb_h1_rank_schedule(pp, r, num_microbatches) for r in range(pp)]
+    elif schedule not in (None, "1f1b", "interleaved"):
+        raise ValueError(f"schedule={schedule!r}: one of '1f1b', 'interleaved', 'zb-h1'")
+    else:
+        ops = [
+            rank_schedule(pp, r, num_microbatches, vpp, group_size, forward_only) for r in range(pp)
+        ]
+    return simulate_ops(ops, vpp or 1, forward_cost, backward_cost, p2p_cost, weight_cost)
 
 
 def to_chrome_trace(events: Sequence[Event], time_unit_us: float = 1e6) -> dict:
     """Chrome / Perfetto trace (`chrome://tracing`): one thread per rank, times in µs."""
     trace = []
     for e in events:
-        tag = "F" if e.kind == "forward" else "B" if e.kind == "backward" else e.kind
+        tag = _OP_OF_KIND.get(e.kind, e.kind)
         name = tag if e.microbatch is None else f"{tag}{e.microbatch}"
         if e.chunk is not None and e.kind in COMPUTE_KINDS:
             name += f".c{e.chunk}"
