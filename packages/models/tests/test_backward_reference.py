@@ -14,6 +14,9 @@ its weight's layout) must equal the HF model's `.grad`, per tensor
   RoPE), which our converter does not take: the test maps it (Llama tensors through
   `from_hf`, `q_norm` / `k_norm` to `q_layernorm` / `k_layernorm`) and compares one process
   and tp2-pp2-sp, where the q/k norm grads are tp-partial sums that `sync_grads` reduces;
+- DeepSeek-V3: `DeepseekV3ForCausalLM` (multi-latent attention with a q latent, a dense
+  first layer, then 4 experts top-2 in 2 groups with sigmoid scores, a random correction
+  bias and a shared expert) at ep2-tp2 with sequence parallelism, as the MoE case below;
 - MoE: `MixtralForCausalLM` (2 layers, 4 experts, top-2) -> our MoE GPT at ep2-tp2 with
   sequence parallelism (world 4, etp 2, dp 2: dp rank d trains on sample d; grads
   finalised like DDP: dense grads all-reduced over dp, expert grads over edp, both divided
@@ -102,6 +105,37 @@ def hf_qwen3(layers=4):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(1.0)
+    return model
+
+
+def hf_deepseek_v3():
+    """MLA (q latent), a dense first layer then MoE: 4 experts top-2 in 2 groups, sigmoid
+    scores with a random correction bias, routed scaling 2.5, a shared expert."""
+    torch.manual_seed(3)
+    common = {**_COMMON, "num_key_value_heads": 4, "rms_norm_eps": 1e-6}
+    config = transformers.DeepseekV3Config(
+        **common,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+    )
+    model = _random(transformers.DeepseekV3ForCausalLM(config))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf))
     return model
 
 
@@ -259,12 +293,13 @@ def _moe_rank(state, hf_config):
         destroy_model_parallel(grid)
 
 
-def _world4(llama, qk, moe):
+def _world4(llama, qk, moe, deepseek):
     return {
         "llama": _llama_rank(*llama, plant=False),
         "llama-planted": _llama_rank(*llama, plant=True),
         "qk": _qk_rank(*qk),
         "moe": _moe_rank(*moe),
+        "deepseek": _moe_rank(*deepseek),
     }
 
 
@@ -319,7 +354,7 @@ def _merge(results: list[dict], strict: bool = True) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def world4(distributed):
-    llama, qwen, mixtral = hf_llama(), hf_qwen3(), hf_mixtral()
+    llama, qwen, mixtral, deepseek = hf_llama(), hf_qwen3(), hf_mixtral(), hf_deepseek_v3()
     qk_config, qk_state = qwen3_as_ours(qwen)
     per_rank = distributed.run(
         4,
@@ -327,8 +362,10 @@ def world4(distributed):
         (llama.state_dict(), llama.config.to_dict()),
         (qk_state, qk_config),
         (mixtral.state_dict(), mixtral.config.to_dict()),
+        (deepseek.state_dict(), deepseek.config.to_dict()),
     )
     refs = {"llama": hf_grads(llama), "qwen3": hf_grads(qwen), "mixtral": hf_grads(mixtral)}
+    refs["deepseek"] = hf_grads(deepseek)
     return {**refs, "qk_config": qk_config}, per_rank
 
 
@@ -382,3 +419,12 @@ def test_mixtral_grads_ep2_tp2_sp_match_transformers(world4):
     refs, per_rank = world4
     for r in per_rank:  # one stage: every rank gathers the whole model (tp, etp, ep)
         compare(r["moe"], refs["mixtral"])
+
+
+def test_deepseek_v3_grads_ep2_tp2_sp_match_transformers(world4):
+    """MLA + grouped sigmoid routing with the correction bias + a shared expert, every
+    gradient (the bias is a buffer: none) against DeepseekV3ForCausalLM's."""
+    refs, per_rank = world4
+    for r in per_rank:  # the export also carries the bias buffer: it has no gradient
+        grads = {k: v for k, v in r["deepseek"].items() if "e_score_correction_bias" not in k}
+        compare(grads, refs["deepseek"])
