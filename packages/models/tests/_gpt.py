@@ -12,6 +12,16 @@ from pentatron.models import GPTModel, TransformerConfig, get_gpt_layer_local_sp
 VOCAB, S, B, M = 100, 16, 2, 4  # vocab, sequence, micro-batch size, micro-batches
 DIVISIBLE_BY = 32  # padded vocab = 128 at tp in {1, 2, 4}
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32: tp/sp/pp change only the order of sums
+# DeepSeek's multi-latent attention at the small config's size (8 heads; q / kv latents)
+MLA = dict(
+    multi_latent_attention=True,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    num_query_groups=None,
+)
 
 
 def small_config(**overrides) -> TransformerConfig:

@@ -21,18 +21,6 @@ def moe_config(**overrides):
     return small_config(**base)
 
 
-# DeepSeek's multi-latent attention at the small config's size (8 heads; q / kv latents)
-MLA = dict(
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    num_query_groups=None,
-)
-
-
 def moe_spec(multi_latent_attention: bool = False):
     """The local GPT spec with the MoE layer's router set explicitly to `TopKRouter`."""
     from pentatron.models import get_gpt_layer_local_spec

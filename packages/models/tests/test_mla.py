@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _gpt import TOL, VOCAB, microbatches, reference_run, small_config
+from _gpt import MLA, TOL, VOCAB, microbatches, reference_run, small_config
 from test_parity import _all_layouts, _merged_grads, assert_matches_reference
 
 from pentatron.models import (
@@ -34,15 +34,6 @@ from pentatron.models import (
     mla,
 )
 
-MLA = dict(
-    multi_latent_attention=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    num_query_groups=None,
-)
 LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
     (2, 1, None, False, True, "mla"),
     (2, 1, None, True, True, "mla"),

@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _gpt import DIVISIBLE_BY, TOL, VOCAB, B, S, microbatches
-from _moe import MLA, moe_config, moe_spec
+from _gpt import MLA
+from _moe import moe_config, moe_spec
 
 from pentatron.models import (
     GPTModel,
