@@ -33,8 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _gpt import DIVISIBLE_BY, TOL, VOCAB, B, S, microbatches
-from _gpt import MLA
+from _gpt import DIVISIBLE_BY, MLA, TOL, VOCAB, B, S, microbatches
 from _moe import moe_config, moe_spec
 
 from pentatron.models import (
