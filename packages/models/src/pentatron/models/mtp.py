@@ -29,7 +29,6 @@ cp scales the aux-loss grad by cp (the app does, as Megatron scales the MoE aux 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -39,7 +38,6 @@ from pentatron.tp_layers import (
     ColumnParallelLinear,
     checkpoint,
     gather_from_tensor_model_parallel_region,
-    get_rng_tracker,
     init_method_normal,
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
@@ -49,6 +47,7 @@ from .config import TransformerConfig
 from .moe.load_balancing import attach_aux_loss
 from .norm import Norm
 from .spec import build_module
+from .transformer_block import sp_dropout_rng_context
 
 
 def _cp_size(cp_group: Any) -> int:
@@ -175,23 +174,13 @@ class MultiTokenPredictionBlock(torch.nn.Module):
     ) -> list[torch.Tensor]:
         """ids, pos `[b, s(/cp)]`; `hidden` = h_0 `[s(/t), b, h]` -> each depth's output."""
         outputs = []
-        with self._rng_context():
+        with sp_dropout_rng_context(self.config, self.training):
             for layer in self.layers:
                 input_ids = roll_left(input_ids, self.cp_group)
                 position_ids = roll_left(position_ids, self.cp_group)
                 hidden = layer(hidden, embedding(input_ids, position_ids), mask, rotary)
                 outputs.append(hidden)
         return outputs
-
-    def _rng_context(self) -> Any:
-        """The tracker's model-parallel fork under SP when dropout can draw (as the decoder)."""
-        c = self.config
-        dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
-        return (
-            get_rng_tracker().fork()
-            if c.sequence_parallel and dropout
-            else contextlib.nullcontext()
-        )
 
 
 def mtp_loss(

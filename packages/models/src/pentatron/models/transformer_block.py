@@ -45,6 +45,15 @@ def get_layer_offset(
     return config.stage_layout().layer_offset(pp_rank, vp_stage or 0)
 
 
+def sp_dropout_rng_context(config: TransformerConfig, training: bool) -> Any:
+    """The tracker's model-parallel fork under SP when dropout can draw (Megatron): the
+    `[s/t, b, h]` shards draw different masks on each tp rank."""
+    dropout = training and (config.hidden_dropout > 0 or config.attention_dropout > 0)
+    if config.sequence_parallel and dropout:
+        return get_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
 class TransformerBlock(torch.nn.Module):
     """`forward(hidden, attention_mask, rotary)`: `[s, b, h]` (SP `[s/t, b, h]`) -> same.
 
@@ -115,12 +124,7 @@ class TransformerBlock(torch.nn.Module):
         return hidden
 
     def _rng_context(self) -> Any:
-        """The tracker's model-parallel fork under SP when dropout can draw (Megatron)."""
-        c = self.config
-        dropout = self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)
-        if c.sequence_parallel and dropout:
-            return get_rng_tracker().fork()
-        return contextlib.nullcontext()
+        return sp_dropout_rng_context(self.config, self.training)
 
     def _run(self, start: int, end: int, hidden, mask, cos, sin) -> torch.Tensor:
         rotary = None if cos is None else (cos, sin)
