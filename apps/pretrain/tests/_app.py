@@ -103,6 +103,9 @@ PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
 # Planted only where the feature runs: each cp rank's MTP loss divided by its own token
 # counts (test_e2e_mtp.py); the aux-loss grad (MoE, MTP) not scaled by cp (test_e2e_mla.py).
 MTP_PLANTS = ("mtp_local_counts", "aux_loss_without_cp")
+# The zero-bubble schedule's ordering: the last micro-batch's W (weight gradients) run after
+# the step's grad reduction instead of before it (test_e2e_zero_bubble.py).
+ZB_PLANTS = ("zb_w_after_reduce",)
 
 
 def _planted(plant: str):
@@ -137,7 +140,30 @@ def _planted(plant: str):
         from pentatron.models import mtp
 
         return mock.patch.object(mtp, "_summed_over", lambda t, group: t)
-    raise ValueError(f"plant {plant!r}: one of {PLANTS + MTP_PLANTS}")
+    if plant == "zb_w_after_reduce":
+        return _w_after_reduce()
+    raise ValueError(f"plant {plant!r}: one of {PLANTS + MTP_PLANTS + ZB_PLANTS}")
+
+
+def _w_after_reduce():
+    import contextlib
+    from unittest import mock
+
+    from pentatron.pipeline.schedules import zero_bubble_h1 as zb
+
+    table, finalize = zb.weights_after_backward, zb.finalize
+
+    def without_last_w(pp, rank, m):
+        return {b: [w for w in ws if w != m - 1] for b, ws in table(pp, rank, m).items()}
+
+    def finalize_then_w(state, chunks, forward_only):
+        finalize(state, chunks, forward_only)
+        state.config.weight_grad_store.run_all()
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(zb, "weights_after_backward", without_last_w))
+    stack.enter_context(mock.patch.object(zb, "finalize", finalize_then_w))
+    return stack
 
 
 def last_stage(per_rank: list, count: int | None = None) -> list:

@@ -65,6 +65,37 @@ def test_derived_values_for_the_readme_layout():
             2,
             "--num-layers-per-virtual-pipeline-stage",
         ),
+        (["--pipeline-schedule", "zb-h1"], 1, "--pipeline-schedule"),  # pp 1
+        (
+            ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
+            2,
+            "--pipeline-schedule",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"],
+            2,
+            "--pipeline-schedule",
+        ),  # no virtual stages
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--global-batch-size",
+                "8",
+                "--pipeline-schedule",
+                "zb-h1",
+            ],
+            2,
+            "--pipeline-schedule",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+            + ["--use-torch-fsdp2"],
+            4,
+            "--use-torch-fsdp2",
+        ),
         (["--data-path", "/nonexistent/corpus"], 1, "--data-path"),
         (["--train-samples", "100"], 1, "--train-iters"),  # both given
         (["--fp16", "--bf16"], 1, "--fp16"),
@@ -246,3 +277,12 @@ def test_fp8_recipe_and_wgrad_fusion_flags_reach_the_model_config():
         "amax_history_len": 1024,
         "amax_compute_algo": "max",
     }
+
+
+def test_pipeline_schedule_default_and_transformer_engine():
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    assert _validated(pp2, 2).pipeline_schedule is None  # Megatron's pick: 1F1B here
+    assert _validated([*pp2, "--pipeline-schedule", "zb-h1"], 2).pipeline_schedule == "zb-h1"
+    te = [*pp2, "--pipeline-schedule", "zb-h1", "--transformer-impl", "transformer_engine"]
+    with pytest.raises(ArgumentError, match=r"^--transformer-impl=transformer_engine: .*zb-h1"):
+        validate_args(parse_args(BASE + te), 2, cuda=True, have_te=True)

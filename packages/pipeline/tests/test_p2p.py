@@ -61,7 +61,7 @@ def _p2p_calls(batch: bool, dtype: torch.dtype) -> dict:
     got["sfbrfb/ledger"] = [(x.op, x.elements) for x in ledger.records]
     # A strided output is sent as its values, not its raw memory.
     got["strided"] = p2p.send_forward_recv_forward(_strided(val(11)), True, shape)
-    # Overlap: handles come back unwaited (unbatched); batched calls always wait.
+    # Overlap: handles come back unwaited, batched or not (the caller waits).
     recv, handles = p2p.send_forward_recv_forward(val(12), True, shape, overlap_p2p_comm=True)
     got["overlap/keys"] = sorted(handles)
     for h in handles.values():
@@ -163,7 +163,7 @@ def test_every_p2p_combination_delivers_what_the_neighbour_sent(distributed, wor
             _same(got[key], want, dtype, f"rank {r} {key} batch={batch}")
         # One exchange both ways: 2 sends and 2 receives of [s, b, h].
         assert sorted(got["sfbrfb/ledger"]) == sorted([("send", elements), ("recv", elements)] * 2)
-        assert got["overlap/keys"] == ([] if batch else ["recv_prev", "send_next"])
+        assert got["overlap/keys"] == ["recv_prev", "send_next"]
         assert got["ends"] == ([None] * 6, 0)
         assert "tensor_shape is required" in got["no_shape"]
         # Variable lengths: each data message is preceded by its int64 shape [3].

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from pentatron.parallel_state import ParallelConfig, comm, initialize_model_parallel
-from pentatron.pipeline import PipelineConfig, StageLayout, get_forward_backward_func
+from pentatron.pipeline import (
+    PipelineConfig,
+    StageLayout,
+    Timeline,
+    get_forward_backward_func,
+    zb_h1_rank_schedule,
+)
 
 tp_layers = pytest.importorskip("pentatron.tp_layers")  # the `test` extra installs it
 
@@ -61,12 +67,12 @@ class _Block(torch.nn.Module):
     """`[s/t, b, h]` -> all-gather(tp) -> fc1 `[s, b, F/t]` -> tanh -> fc2 -> reduce-scatter(tp)
     -> `[s/t, b, h]`, plus the residual."""
 
-    def __init__(self, master: dict[str, torch.Tensor], tp_group, tp_rank: int) -> None:
+    def __init__(self, master: dict[str, torch.Tensor], tp_group, tp_rank: int, tp: int) -> None:
         super().__init__()
         kw = dict(tp_group=tp_group, sequence_parallel=True, params_dtype=DT)
         self.fc1 = tp_layers.ColumnParallelLinear(H, F, **kw)
         self.fc2 = tp_layers.RowParallelLinear(F, H, input_is_parallel=True, **kw)
-        part = slice(tp_rank * F // TP, (tp_rank + 1) * F // TP)
+        part = slice(tp_rank * F // tp, (tp_rank + 1) * F // tp)
         with torch.no_grad():
             self.fc1.weight.copy_(master["w1"][part])
             self.fc1.bias.copy_(master["b1"][part])
@@ -78,10 +84,10 @@ class _Block(torch.nn.Module):
 
 
 class _Chunk(torch.nn.Module):
-    def __init__(self, master, layers: range, takes_data: bool, tp_group, tp_rank: int):
+    def __init__(self, master, layers: range, takes_data: bool, tp_group, tp_rank: int, tp: int):
         super().__init__()
         self.layers, self.takes_data = layers, takes_data
-        self.blocks = torch.nn.ModuleList(_Block(master[i], tp_group, tp_rank) for i in layers)
+        self.blocks = torch.nn.ModuleList(_Block(master[i], tp_group, tp_rank, tp) for i in layers)
         self.input_tensor = None
 
     def set_input_tensor(self, tensors: list) -> None:
@@ -95,24 +101,25 @@ class _Chunk(torch.nn.Module):
 
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(TP)]
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
     comm.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim)
 
 
 def _run(case: dict) -> dict:
-    vpp, m = case.get("vpp"), case["m"]
+    vpp, m, schedule = case.get("vpp"), case["m"], case.get("schedule")
+    tp, pp = case.get("tp", TP), case.get("pp", PP)
     v = vpp or 1
-    grid = initialize_model_parallel(ParallelConfig(tp=TP, pp=PP, vpp=vpp))
+    grid = initialize_model_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
     tp_group, tp_rank, pp_rank = grid.group("tp"), grid.rank("tp"), grid.rank("pp")
-    layout = StageLayout(LAYERS, PP, vpp)
+    layout = StageLayout(LAYERS, pp, vpp)
     master = _master()
     chunks = [
-        _Chunk(master, layout.layers(pp_rank, c), pp_rank == 0 and c == 0, tp_group, tp_rank)
+        _Chunk(master, layout.layers(pp_rank, c), pp_rank == 0 and c == 0, tp_group, tp_rank, tp)
         for c in range(v)
     ]
-    last = [pp_rank == PP - 1 and c == v - 1 for c in range(v)]
-    seq = slice(tp_rank * S // TP, (tp_rank + 1) * S // TP)  # this rank's positions
+    last = [pp_rank == pp - 1 and c == v - 1 for c in range(v)]
+    seq = slice(tp_rank * S // tp, (tp_rank + 1) * S // tp)  # this rank's positions
 
     def forward_step(it, model):
         x, target, mask = next(it)
@@ -131,10 +138,12 @@ def _run(case: dict) -> dict:
         sequence_parallel=True,
         batch_p2p_comm=case.get("batch", True),
         deallocate_pipeline_outputs=case.get("dealloc", False),
+        weight_grad_store=tp_layers.WeightGradStore() if schedule == "zb-h1" else None,
     )
     data = _data(m)
+    timeline = Timeline(rank=pp_rank)
     with comm.trace() as ledger:
-        losses = get_forward_backward_func(PP, vpp)(
+        losses = get_forward_backward_func(pp, vpp, schedule)(
             forward_step_func=forward_step,
             data_iterator=[iter(data) for _ in range(v)],
             model=chunks,
@@ -143,6 +152,7 @@ def _run(case: dict) -> dict:
             micro_batch_size=B,
             config=config,
             grid=grid,
+            timeline=timeline,
         )
     sends = [(x.op, x.elements) for x in ledger.records if x.op in ("send", "recv")]
     if any(last):
@@ -169,6 +179,7 @@ def _run(case: dict) -> dict:
         "nlayers": sum(len(c.layers) for c in chunks),
         "loss_err": loss_err,
         "sends": sends,
+        "ops": [(o.kind, o.microbatch) for o in timeline.ops()],
     }
 
 
@@ -177,26 +188,36 @@ CASES = [
     dict(m=2, batch=False, dealloc=True),
     dict(m=4, vpp=2, batch=False),
     dict(m=6, vpp=2, dealloc=True),
+    # ZB-H1: B and W split, W's where the table puts them; same numbers as 1F1B.
+    dict(m=4, schedule="zb-h1"),
+    dict(m=3, schedule="zb-h1", batch=False, dealloc=True),
+    dict(m=5, schedule="zb-h1", tp=1, pp=4),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_pipeline_with_tensor_and_sequence_parallel_matches_one_process(distributed, case):
-    results = distributed.run(TP * PP, _run, case)
+    tp, pp = case.get("tp", TP), case.get("pp", PP)
+    results = distributed.run(tp * pp, _run, case)
     m, v = case["m"], case.get("vpp") or 1
-    per_message = S // TP * B * H  # [s/t, b, h]
+    per_message = S // tp * B * H  # [s/t, b, h]
     for r in results:
+        if case.get("schedule") == "zb-h1":
+            table = zb_h1_rank_schedule(pp, r["pp_rank"], m)
+            assert r["ops"] == [(o.kind, o.microbatch) for o in table], r["pp_rank"]
+        else:
+            assert {kind for kind, _ in r["ops"]} <= {"F", "B"}
         assert r["grad_err"] <= ATOL, (case, r)
-        if r["pp_rank"] == PP - 1:
+        if r["pp_rank"] == pp - 1:
             assert r["loss_err"] is not None and r["loss_err"] <= ATOL, (case, r)
         assert {e for _, e in r["sends"]} == {per_message}, r["sends"]
         # Boundaries of this rank's pipeline: the chunk boundaries leaving it carry m
         # activations forward, those entering it m grads back (p*v - 1 in all).
-        fwd = m * v - (m if r["pp_rank"] == PP - 1 else 0)
+        fwd = m * v - (m if r["pp_rank"] == pp - 1 else 0)
         bwd = m * v - (m if r["pp_rank"] == 0 else 0)
         assert sum(op == "send" for op, _ in r["sends"]) == fwd + bwd
         assert sum(op == "recv" for op, _ in r["sends"]) == fwd + bwd
     # Every layer sits on exactly one stage of each tp rank's pipeline.
-    assert sum(r["nlayers"] for r in results) == TP * LAYERS
+    assert sum(r["nlayers"] for r in results) == tp * LAYERS
     # Each pipeline (one per tp rank): 2 * m * (p*v - 1) messages sent.
-    assert sum(op == "send" for r in results for op, _ in r["sends"]) == TP * 2 * m * (PP * v - 1)
+    assert sum(op == "send" for r in results for op, _ in r["sends"]) == tp * 2 * m * (pp * v - 1)

@@ -175,6 +175,13 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument(
+        "--pipeline-schedule",
+        default=None,
+        choices=["1f1b", "interleaved", "zb-h1", "zbv"],
+        help="default: 1f1b, or interleaved with virtual stages (Megatron's choice); zb-h1: "
+        "zero-bubble H1 (backward split into input and weight gradients)",
+    )
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")

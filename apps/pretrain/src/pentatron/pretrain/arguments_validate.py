@@ -220,6 +220,50 @@ def _virtual_stages(args: argparse.Namespace) -> None:
         )
 
 
+def _pipeline_schedule(args: argparse.Namespace) -> None:
+    """--pipeline-schedule against the layout: the default is Megatron's pick."""
+    schedule, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
+    vpp = args.virtual_pipeline_model_parallel_size
+    if schedule is None:
+        return
+    if pp == 1:
+        _fail("pipeline-schedule", schedule, "a schedule needs pp > 1", "drop the flag")
+    if schedule == "zbv":
+        _fail(
+            "pipeline-schedule",
+            schedule,
+            "ZBV runs as a table (pentatron-pipeline-timeline) but has no executor yet",
+            "use --pipeline-schedule zb-h1",
+        )
+    if (schedule == "interleaved") != (vpp is not None):
+        _fail(
+            "pipeline-schedule",
+            schedule,
+            f"with --virtual-pipeline-model-parallel-size {vpp}: only the interleaved "
+            "schedule runs virtual stages",
+            "set virtual stages for interleaved, or drop them",
+        )
+    if schedule != "zb-h1":
+        return
+    refused = [
+        ("use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2 reduces grads in backward hooks"),
+        ("enable-cuda-graph", args.enable_cuda_graph, "a graph replays B and W as one"),
+        (
+            "transformer-impl",
+            args.transformer_impl == "transformer_engine",
+            "transformer-engine's linears compute their weight gradients in their own backward",
+        ),
+    ]
+    for flag, value, why in refused:
+        if value:
+            _fail(
+                flag,
+                args.transformer_impl if flag == "transformer-impl" else value,
+                f"with --pipeline-schedule zb-h1: {why}, which the schedule cannot defer",
+                f"drop {flag} or use --pipeline-schedule 1f1b",
+            )
+
+
 # Megatron's defaults of the MLA shape flags: set to anything else they need MLA.
 _MLA_SHAPE = {
     "q_lora_rank": None,
@@ -717,6 +761,7 @@ def validate_args(
 
         have_te = HAVE_TE
     _precision_and_gpu(args, cuda, have_te)
+    _pipeline_schedule(args)
     _fsdp2(args)
     _compile(args)
     _data_and_checkpoints(args)

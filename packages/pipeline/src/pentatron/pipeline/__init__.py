@@ -1,5 +1,5 @@
-"""pentatron.pipeline: p2p between pipeline stages, no-pipelining / 1F1B / interleaved
-schedules, the schedule table, stage layout, timelines and bubble accounting."""
+"""pentatron.pipeline: p2p between pipeline stages, no-pipelining / 1F1B / interleaved /
+zero-bubble (ZB-H1) schedules, the schedule table, stage layout, timelines and bubble accounting."""
 
 from importlib.metadata import version as _distribution_version
 
@@ -15,12 +15,14 @@ from .schedule_table import (
     warmup_count,
 )
 from .schedules import (
+    SCHEDULES,
     backward_step,
     custom_backward,
     deallocate_output_tensor,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
+    forward_backward_pipelining_zero_bubble_h1,
     forward_step,
     get_forward_backward_func,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "P2PCommunicator",
     "PipelineConfig",
     "PipelineConfigError",
+    "SCHEDULES",
     "ScheduleDeadlock",
     "StageLayout",
     "Timeline",
@@ -49,6 +52,7 @@ __all__ = [
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_zero_bubble_h1",
     "forward_step",
     "get_forward_backward_func",
     "get_schedule_table",

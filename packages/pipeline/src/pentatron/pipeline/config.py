@@ -47,6 +47,12 @@ class PipelineConfig:
         without the division in per-token mode), so losses attached inside the model (MoE
         aux losses, e.g. pentatron.models.moe.load_balancing.set_aux_loss_scale) match it.
     Lists (one callable per chunk) are accepted for grad_sync_func / param_sync_func.
+
+    weight_grad_store: for the zero-bubble schedules, an object with `defer()` (a context
+      manager inside which the layers' backward queues weight gradients instead of computing
+      them), `close_group()` (seal one micro-batch's queue), `run_oldest()` (run the
+      oldest sealed one) and `clear()` (drop them all, after an error):
+      `pentatron.tp_layers.WeightGradStore`.
     """
 
     hidden_size: int
@@ -64,6 +70,7 @@ class PipelineConfig:
     finalize_model_grads_func: Callable[..., Any] | None = None
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
     aux_loss_scale_func: Callable[[torch.Tensor], None] | None = None
+    weight_grad_store: Any = None
 
     def __post_init__(self) -> None:
         _positive("hidden_size", self.hidden_size)

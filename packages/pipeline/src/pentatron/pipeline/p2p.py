@@ -11,8 +11,9 @@ Two ways to issue one exchange:
 - unbatched: single isend/irecv in Megatron's even/odd order (even pipeline ranks send
   before they receive, odd ranks receive before they send), so the exchange cannot
   deadlock even where sends are blocking.
-With `wait=False` (overlap_p2p_comm) the handles come back unwaited, keyed "send_next",
-"recv_prev", "send_prev", "recv_next", and the caller waits when the tensor is needed.
+With `wait=False` (overlap_p2p_comm, or a zero-bubble schedule running W's while a
+message travels) the handles come back unwaited, keyed "send_next", "recv_prev",
+"send_prev", "recv_next", and the caller waits when the tensor is needed.
 
 Matching: a receiver matches messages from one sender in the order they were posted. So
 that an activation and a gradient between the same two ranks can never be swapped (p = 2,
@@ -116,7 +117,7 @@ class P2PCommunicator:
         buf_next = self._buffer(next_shape) if recv_next else None
         with self._record("p2p"):
             handles = self._start(send_next, send_prev, buf_prev, buf_next)
-            if wait or self.config.batch_p2p_comm:
+            if wait:
                 for h in handles.values():
                     h.wait()
                 handles = {}

@@ -29,6 +29,7 @@ from pentatron.models import (
 from pentatron.optim import finalize_model_grads
 from pentatron.parallel_state import ProcessGrid, comm
 from pentatron.pipeline import PipelineConfig, get_forward_backward_func
+from pentatron.tp_layers import WeightGradStore
 
 
 @dataclass
@@ -124,6 +125,8 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
     hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
     if getattr(args, "num_experts", None) or getattr(args, "mtp_num_layers", None):
         hooks["aux_loss_scale_func"] = aux_loss_scale_func(grid)
+    if getattr(args, "pipeline_schedule", None) == "zb-h1":
+        hooks["weight_grad_store"] = WeightGradStore()
     if args.overlap_grad_reduce:
         hooks["grad_sync_func"] = [lambda params, c=c: c.start_grad_sync() for c in chunks]
     return make(args, **hooks)
@@ -141,7 +144,9 @@ def run_schedule(
     forward_only: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     vpp = args.virtual_pipeline_model_parallel_size
-    func = get_forward_backward_func(args.pipeline_model_parallel_size, vpp)
+    func = get_forward_backward_func(
+        args.pipeline_model_parallel_size, vpp, getattr(args, "pipeline_schedule", None)
+    )
     return func(
         forward_step_func=forward_step,
         data_iterator=iterators if vpp else iterators[0],

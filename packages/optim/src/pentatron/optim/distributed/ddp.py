@@ -137,7 +137,11 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
         # torch stubs lack the .main_grad and .grad_added_to_main_grad set in __init__
         in_main_grad = param.grad_added_to_main_grad  # type: ignore[attr-defined]
-        if param.grad is not None and not in_main_grad:
+        if param.grad is None and not in_main_grad:
+            # Nothing arrived: autograd runs this hook in a split backward's B for a weight
+            # whose gradient comes later, in W (tp_layers' WeightGradStore); ready then.
+            return
+        if not in_main_grad:
             # accumulate across micro-batches, in grad dtype
             param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None

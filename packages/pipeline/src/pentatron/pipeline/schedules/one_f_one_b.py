@@ -84,6 +84,13 @@ class _OneFOneB:
             # Sent already: only the grad_fn is needed from here on.
             deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
 
+    def exchange_after_backward(self, input_grad: Any, recv_forward: bool) -> Any:
+        """Send the input grad back; with `recv_forward`, receive the next input too."""
+        if recv_forward:
+            return self.p2p.send_backward_recv_forward(input_grad, self.shape)
+        self.p2p.send_backward(input_grad)
+        return None
+
     def enable_sync_for_last_backward(self) -> None:
         if self.config.grad_sync_func is None or self.p2p.is_first_stage:
             self.sync.enable()
@@ -118,18 +125,14 @@ class _OneFOneB:
             self.keep(input_tensor, output)
             if last and self.warmup == 0:
                 self.enable_sync_for_last_backward()
-            input_grad = self.backward(output_grad)
-            if last:
-                p2p.send_backward(input_grad)
-            else:
-                input_tensor = p2p.send_backward_recv_forward(input_grad, self.shape)
+            input_tensor = self.exchange_after_backward(self.backward(output_grad), not last)
 
     def run_cooldown(self) -> None:
         for i in range(self.warmup):
             if i == self.warmup - 1:
                 self.enable_sync_for_last_backward()
             output_grad = self.p2p.recv_backward(self.shape)
-            self.p2p.send_backward(self.backward(output_grad))
+            self.exchange_after_backward(self.backward(output_grad), False)
 
     def launch_remaining_grad_sync(self) -> None:
         if self.sync._context is not None:

@@ -14,6 +14,7 @@ from .te import (
     row_parallel_linear,
     te_available,
 )
+from .weight_grad_store import WeightGradStore, deferring_store
 from .wgrad import accumulate_weight_grad, placeholder_grad, wgrad_kernel
 
 __all__ = [
@@ -21,8 +22,10 @@ __all__ = [
     "LayerNormColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
+    "WeightGradStore",
     "accumulate_weight_grad",
     "column_parallel_linear",
+    "deferring_store",
     "layer_norm_column_parallel_linear",
     "linear_backend",
     "linear_with_grad_accumulation_and_async_allreduce",

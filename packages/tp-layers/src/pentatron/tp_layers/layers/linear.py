@@ -11,6 +11,10 @@ Weight-gradient accumulation fusion: when enabled and the weight has a `main_gra
 `main_grad` in its dtype and `weight.grad` stays unset, which saves one gradient-sized
 buffer and one addition per micro-batch. The GEMM runs in the activations' dtype (bf16 on
 tensor cores) and sums in `main_grad`'s fp32 (`wgrad.accumulate_weight_grad`).
+
+Split backward: inside a `WeightGradStore.defer()` (zero-bubble pipeline schedules) the
+backward computes only the input gradient and queues the weight and bias gradients, which
+the schedule runs later (`weight_grad_store`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from pentatron.parallel_state import comm
 
 from ..utils import group_size
+from .weight_grad_store import DeferredWeightGrad, deferring_store
 from .wgrad import accumulate_weight_grad, placeholder_grad
 
 
@@ -83,6 +88,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         # saving) at the cost of one more all-gather there.
         ctx.save_for_backward(x if sequence_parallel and regather_input else total, weight)
         ctx.weight = weight  # the parameter object itself: `main_grad` lives on it
+        ctx.bias = bias  # likewise, for a deferred W (weight_grad_store)
         ctx.use_bias = bias is not None
         ctx.fuse = gradient_accumulation_fusion and hasattr(weight, "main_grad")
         ctx.allreduce = allreduce_dgrad and group_size(group) > 1
@@ -93,6 +99,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         saved_input, weight = ctx.saved_tensors
+        store = deferring_store()
+        if store is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            store.push(_deferred_weight_grad(ctx, saved_input, grad_out))
+            return _input_grad_only(ctx, grad_out, weight)
         total, handle = saved_input, None
         if ctx.sequence_parallel and ctx.regather:
             total, handle = _gather_input(saved_input, ctx.group, async_op=True)
@@ -114,6 +124,46 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if dgrad_handle is not None:
             dgrad_handle.wait()
         return grad_in, grad_w, grad_b, None, None, None, None, None
+
+
+def _input_grad_only(ctx: Any, grad_out: torch.Tensor, weight: torch.Tensor) -> tuple[Any, ...]:
+    """B of a split backward: the input gradient and its collective; W is queued."""
+    grad_in = None
+    if ctx.needs_input_grad[0]:
+        grad_in, handle = _start_dgrad_collective(
+            grad_out.matmul(weight).contiguous(), ctx.group, ctx.sequence_parallel, ctx.allreduce
+        )
+        if handle is not None:
+            handle.wait()
+    return grad_in, None, None, None, None, None, None, None
+
+
+def _deferred_weight_grad(
+    ctx: Any, saved_input: torch.Tensor, grad_out: torch.Tensor
+) -> DeferredWeightGrad:
+    """W of a split backward: `dW = dY^T X` (fused into main_grad as in an undivided
+    backward) and `db = sum dY`, handed to autograd on the params when the schedule runs it.
+    Keeps `saved_input` (the s/t shard with regather) and `grad_out` `[s, b, o]`."""
+    weight, bias, fuse = ctx.weight, ctx.bias, ctx.fuse
+    want_w, want_b = ctx.needs_input_grad[1], ctx.use_bias and ctx.needs_input_grad[2]
+    regather, group = ctx.sequence_parallel and ctx.regather, ctx.group
+
+    def compute() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        grad_2d = grad_out.reshape(-1, grad_out.size(-1))
+        pairs = []
+        if want_w:
+            total = (
+                _gather_input(saved_input, group, async_op=False)[0] if regather else saved_input
+            )
+            grad_w = _weight_grad(weight, grad_2d, total.reshape(-1, total.size(-1)), fuse)
+            if grad_w is not None:
+                pairs.append((weight, grad_w))
+        if want_b:
+            pairs.append((bias, grad_2d.sum(dim=0)))
+        return pairs
+
+    nbytes = sum(t.numel() * t.element_size() for t in (saved_input, grad_out))
+    return DeferredWeightGrad(compute, nbytes)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
