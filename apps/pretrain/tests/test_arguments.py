@@ -91,8 +91,13 @@ def test_derived_values_for_the_readme_layout():
             "--pipeline-schedule",
         ),
         (
-            ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
-            + ["--use-torch-fsdp2"],
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--pipeline-schedule",
+                "zb-h1",
+                "--use-torch-fsdp2",
+            ],
             4,
             "--use-torch-fsdp2",
         ),

@@ -75,7 +75,7 @@ class _ZeroBubbleH1(_OneFOneB):
 
     def exchange_after_backward(self, input_grad: Any, recv_forward: bool) -> Any:
         """Post the exchange, run the W's the table puts after this B, then wait."""
-        received, handles = None, {}
+        received, handles = None, dict[str, Any]()
         if not self.p2p.is_first_stage:
             received, _, handles = self.p2p.communicate(
                 send_prev=input_grad,
