@@ -1,11 +1,14 @@
-"""Pipeline bubble: the simulator and a measured CPU run against (p-1)/(v*m).
+"""Pipeline bubble: the simulator and measured CPU runs against the closed forms:
+(p-1)/(v*m) for 1F1B and interleaving, (p-1)/(3m) for ZB-H1.
 
     python benchmarks/pipeline_bubble.py
 
-1. `pentatron.pipeline.simulate` (logical time, backward = 2 x forward, free p2p) for a
-   few (p, v, m): its bubble fraction (idle / busy) over Megatron's (p-1)/(v*m); exact.
-2. Measured: the real 1F1B and interleaved schedules on 2 gloo processes (pp=2, one
-   thread each), every stage the same cost (`LAYERS` Linear(h, h) + tanh on [s, b, h]);
+1. `pentatron.pipeline.simulate` (logical time, free p2p; backward = 2 x forward, or for
+   ZB-H1 B = W = forward) for a few (p, v, m): its bubble fraction (idle / busy) over the
+   closed form; exact.
+2. Measured: the real 1F1B, interleaved and ZB-H1 schedules on 2 and 4 gloo processes (one
+   thread each), every stage the same cost (`LAYERS` tp-layers ColumnParallelLinear(h, h)
+   + tanh on [s, b, h], whose weight gradients ZB-H1 defers);
    the compute spans come from the schedule's own `Timeline`, the bubble from
    `bubble_report` over both ranks' events. p2p time and the machine's noise count as
    idle, so the ratio is >= 1 and only its size is machine-dependent. Median of `REPS` steps.
@@ -22,11 +25,24 @@ import torch.distributed as dist
 
 S, B, H, LAYERS, REPS = 64, 4, 256, 4, 3
 SIMULATED = ((2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8))  # (p, v, m)
-MEASURED = ((None, 8), (2, 8))  # (vpp, m) at p=2
+SIMULATED_ZB = ((2, 4), (4, 8))  # (p, m)
+# (p, vpp, m, schedule)
+MEASURED = (
+    (2, None, 8, "1f1b"),
+    (2, 2, 8, "interleaved"),
+    (2, None, 8, "zb-h1"),
+    (4, None, 8, "1f1b"),
+    (4, None, 8, "zb-h1"),
+)
 
 
 def simulated_rows() -> list[dict[str, Any]]:
-    from pentatron.pipeline import bubble_report, ideal_bubble_fraction, simulate
+    from pentatron.pipeline import (
+        bubble_report,
+        ideal_bubble_fraction,
+        simulate,
+        zb_h1_bubble_fraction,
+    )
 
     rows = []
     for p, v, m in SIMULATED:
@@ -35,14 +51,23 @@ def simulated_rows() -> list[dict[str, Any]]:
             {"name": f"bubble simulator p={p} v={v} m={m}", "measured": got,
              "theory": ideal_bubble_fraction(p, m, v)}
         )  # fmt: skip
+    for p, m in SIMULATED_ZB:
+        events = simulate(p, m, None, schedule="zb-h1", backward_cost=1.0, weight_cost=1.0)
+        rows.append(
+            {"name": f"bubble simulator ZB-H1 p={p} m={m}",
+             "measured": bubble_report(events).bubble_fraction,
+             "theory": zb_h1_bubble_fraction(p, m)}
+        )  # fmt: skip
     return rows
 
 
 class _Stage(torch.nn.Module):
     def __init__(self, first: bool) -> None:
         super().__init__()
+        from pentatron.tp_layers import ColumnParallelLinear
+
         torch.manual_seed(0)  # equal cost and equal numbers on every stage
-        self.fcs = torch.nn.ModuleList(torch.nn.Linear(H, H) for _ in range(LAYERS))
+        self.fcs = torch.nn.ModuleList(ColumnParallelLinear(H, H) for _ in range(LAYERS))
         self.first, self.input_tensor = first, None
 
     def set_input_tensor(self, tensors: list) -> None:
@@ -51,7 +76,7 @@ class _Stage(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x if self.first else self.input_tensor
         for fc in self.fcs:
-            h = torch.tanh(fc(h))
+            h = torch.tanh(fc(h)[0])
         return h
 
 
@@ -60,7 +85,7 @@ def _forward_step(it: Any, model: _Stage) -> tuple[torch.Tensor, Any]:
     return out, lambda y: (y.pow(2).mean(), y.detach().pow(2).mean())
 
 
-def measured_rank(vpp: int | None, m: int) -> list[list[tuple]]:
+def measured_rank(vpp: int | None, m: int, schedule: str) -> list[list[tuple]]:
     """Per rep: this rank's compute events as (rank, start, end, kind, mb, chunk), absolute."""
     from pentatron.parallel_state import (
         ParallelConfig,
@@ -68,6 +93,7 @@ def measured_rank(vpp: int | None, m: int) -> list[list[tuple]]:
         initialize_model_parallel,
     )
     from pentatron.pipeline import PipelineConfig, Timeline, get_forward_backward_func
+    from pentatron.tp_layers import WeightGradStore
 
     torch.set_num_threads(1)
     p, v = dist.get_world_size(), vpp or 1
@@ -76,7 +102,8 @@ def measured_rank(vpp: int | None, m: int) -> list[list[tuple]]:
         rank = grid.rank("pp")
         chunks = [_Stage(first=(rank == 0 and c == 0)) for c in range(v)]
         data = [torch.randn(S, B, H) for _ in range(m)]
-        func = get_forward_backward_func(p, vpp)
+        func = get_forward_backward_func(p, vpp, schedule)
+        store = WeightGradStore() if schedule == "zb-h1" else None
         reps = []
         for _ in range(REPS + 1):  # the first is a warm-up
             dist.barrier()
@@ -87,7 +114,8 @@ def measured_rank(vpp: int | None, m: int) -> list[list[tuple]]:
                 data_iterator=[iter(data) for _ in range(v)],
                 model=chunks if vpp else chunks[0],
                 num_microbatches=m, seq_length=S, micro_batch_size=B,
-                config=PipelineConfig(hidden_size=H), grid=grid, timeline=timeline,
+                config=PipelineConfig(hidden_size=H, weight_grad_store=store), grid=grid,
+                timeline=timeline,
             )  # fmt: skip
             reps.append(
                 [(e.rank, e.start + origin, e.end + origin, e.kind, e.microbatch, e.chunk)
@@ -99,19 +127,27 @@ def measured_rank(vpp: int | None, m: int) -> list[list[tuple]]:
 
 
 def measured_rows(pools: Any) -> list[dict[str, Any]]:
-    from pentatron.pipeline import Event, bubble_report, ideal_bubble_fraction
+    from pentatron.pipeline import (
+        Event,
+        bubble_report,
+        ideal_bubble_fraction,
+        zb_h1_bubble_fraction,
+    )
 
     rows = []
-    for vpp, m in MEASURED:
-        per_rank = pools.run(2, measured_rank, vpp, m)
+    for p, vpp, m, schedule in MEASURED:
+        per_rank = pools.run(p, measured_rank, vpp, m, schedule)
         fractions = []
         for rep in range(REPS):
             events = [Event(*e) for r in per_rank for e in r[rep]]
             fractions.append(bubble_report(events).bubble_fraction)
         v = vpp or 1
+        theory = (
+            zb_h1_bubble_fraction(p, m) if schedule == "zb-h1" else ideal_bubble_fraction(p, m, v)
+        )
         rows.append(
-            {"name": f"bubble measured (2 CPU procs) p=2 v={v} m={m}",
-             "measured": statistics.median(fractions), "theory": ideal_bubble_fraction(2, m, v)}
+            {"name": f"bubble measured ({p} CPU procs) {schedule} p={p} v={v} m={m}",
+             "measured": statistics.median(fractions), "theory": theory}
         )  # fmt: skip
     return rows
 

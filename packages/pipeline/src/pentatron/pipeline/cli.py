@@ -5,7 +5,7 @@
     pentatron-pipeline-timeline --pp 4 --num-microbatches 8 --schedule zb-h1 --png zb.png
 
 `--schedule zb-h1` draws the zero-bubble table (B: input gradient, W: weight gradient; B and
-W cost 1 each unless given); the executors run 1F1B and interleaving only so far.
+W cost 1 each unless given); the app runs it with `--pipeline-schedule zb-h1`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ W can run any time after its B, so a rank can run it where 1F1B would idle.
 ZB-H1 (`zb_h1_rank_schedule`): 1F1B's order of F and B (warm-up of p - 1 - r forwards on
 rank r, then one forward one backward, then the cool-down backwards), with W's deferred:
 rank r keeps up to r of them pending and runs the oldest as soon as more are pending,
-the rest after its last B. Rank p - 1 (the last stage) defers none; rank 0 defers the
-most, to fill the cool-down where it waits for the other stages' B's. Memory: the
+the rest after its last B. Rank 0 defers none; the last stage, which runs its last B
+first and in 1F1B would idle longest at the end of the step, defers the most. Memory: the
 forwards whose B has not run are 1F1B's (p - r at most); the pending W's keep what a W
 needs (each linear's input and output gradient), at most r + 1 micro-batches' worth.
 
@@ -17,8 +17,8 @@ bubble (idle / busy) is (p - 1) / (3m): a third of 1F1B's (p - 1) / m. Wherever
 T_W <= min(T_F, T_B) it is the paper's (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W));
 a costlier W does not fit the gaps and leaves more idle (the tests show both).
 
-The executors (`schedules/`) run 1F1B and interleaving; this table drives the simulator,
-the timeline picture and the bubble accounting so far.
+The executor (`schedules/zero_bubble_h1.py`) runs this table; it also drives the
+simulator, the timeline picture and the bubble accounting.
 """
 
 from __future__ import annotations
