@@ -459,7 +459,7 @@ def test_bad_microbatch_count_fails_before_any_message(distributed):
         assert "fix:" in msg and msg.endswith("messages=0")
 
 
-def _stage_raises() -> str:
+def _stage_raises(schedule: str | None = None) -> str:
     grid = initialize_model_parallel(ParallelConfig(pp=2, timeout=timedelta(seconds=3)))
     rank = grid.rank("pp")
     layout = StageLayout(LAYERS, 2)
@@ -474,7 +474,12 @@ def _stage_raises() -> str:
         x, target, mask = next(it)
         return model(x), make_loss(target, mask, False)
 
-    func = get_forward_backward_func(2)
+    store = None
+    if schedule == "zb-h1":
+        from pentatron.tp_layers import WeightGradStore
+
+        store = WeightGradStore()
+    func = get_forward_backward_func(2, None, schedule)
     func(
         forward_step_func=forward_step,
         data_iterator=iter(data),
@@ -483,16 +488,17 @@ def _stage_raises() -> str:
         seq_length=S,
         micro_batch_size=B,
         grid=grid,
-        config=PipelineConfig(hidden_size=H, pipeline_dtype=torch.float64),
+        config=PipelineConfig(hidden_size=H, pipeline_dtype=torch.float64, weight_grad_store=store),
     )
     return "finished"
 
 
-def test_stage_that_raises_fails_every_rank(distributed):
+@pytest.mark.parametrize("schedule", [None, "zb-h1"])
+def test_stage_that_raises_fails_every_rank(distributed, schedule):
     from pentatron.parallel_state.testing import RankError
 
     with pytest.raises(RankError) as info:
-        distributed.run(2, _stage_raises)
+        distributed.run(2, _stage_raises, schedule)
     distributed.pool(2).close()  # abandoned gloo ops: start the next test afresh
     text = str(info.value)
     assert "rank(s) [0, 1]" in text
@@ -542,3 +548,32 @@ def test_interleaved_stage_that_raises_fails_every_rank(distributed):
     assert "rank(s) [0, 1, 2, 3]" in text
     assert "stage 2 broke in its steady state" in text
     assert text.count("did not complete") >= 3  # ranks 0, 1 and 3: CollectiveError, not hung
+
+
+@pytest.mark.parametrize(
+    ("vpp", "schedule", "match"),
+    [
+        (None, "zbv", "no executor yet; fix: use schedule='zb-h1'"),
+        (None, "interleaved", "only it runs virtual stages"),
+        (2, "zb-h1", "only it runs virtual stages"),
+        (None, "gpipe", "one of 1f1b, interleaved, zb-h1, zbv"),
+    ],
+)
+def test_a_schedule_that_does_not_fit_is_refused(vpp, schedule, match):
+    with pytest.raises(PipelineConfigError, match=match):
+        get_forward_backward_func(2, vpp, schedule)
+
+
+def test_zb_h1_without_a_weight_grad_store_is_refused_before_any_message():
+    chunk = Chunk(build_blocks(), range(LAYERS), True, 0)
+    with comm.trace() as ledger, pytest.raises(PipelineConfigError, match="weight_grad_store"):
+        get_forward_backward_func(2, None, "zb-h1")(
+            forward_step_func=None,
+            data_iterator=None,
+            model=chunk,
+            num_microbatches=4,
+            seq_length=S,
+            micro_batch_size=B,
+            config=PipelineConfig(hidden_size=H),
+        )
+    assert ledger.records == []
