@@ -236,6 +236,10 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
         ),
         (["--world-size", "0"], "--world-size=0"),
         (["--use-torch-fsdp2", "--world-size", "2"], "--use-torch-fsdp2"),
+        (
+            [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+            "--pipeline-schedule zb-h1: the weight-gradient store",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, needle, capsys):
