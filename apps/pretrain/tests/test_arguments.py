@@ -101,6 +101,11 @@ def test_derived_values_for_the_readme_layout():
             4,
             "--use-torch-fsdp2",
         ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--compile"],
+            2,
+            "--compile",
+        ),
         (["--data-path", "/nonexistent/corpus"], 1, "--data-path"),
         (["--train-samples", "100"], 1, "--train-iters"),  # both given
         (["--fp16", "--bf16"], 1, "--fp16"),

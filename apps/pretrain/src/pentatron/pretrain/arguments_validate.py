@@ -249,6 +249,11 @@ def _pipeline_schedule(args: argparse.Namespace) -> None:
         ("use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2 reduces grads in backward hooks"),
         ("enable-cuda-graph", args.enable_cuda_graph, "a graph replays B and W as one"),
         (
+            "compile",
+            args.compile,
+            "a compiled layer's backward is traced once, with or without the deferral",
+        ),
+        (
             "transformer-impl",
             args.transformer_impl == "transformer_engine",
             "transformer-engine's linears compute their weight gradients in their own backward",
