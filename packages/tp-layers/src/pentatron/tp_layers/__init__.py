@@ -13,6 +13,7 @@ from .grads import mark_sequence_parallel, sync_sequence_parallel_grads
 from .init import init_method_normal, init_sharded_, scaled_init_method_normal, shard_of
 from .layers import (
     ColumnParallelLinear,
+    DeferredWeightGrad,
     LayerNormColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
@@ -77,6 +78,7 @@ __all__ = [
     "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",
     "ColumnParallelLinear",
+    "DeferredWeightGrad",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RNGStatesTracker",
     "RowParallelLinear",

@@ -30,7 +30,12 @@ from typing import Any
 import torch
 
 from pentatron.parallel_state import current_device
-from pentatron.tp_layers import set_tensor_model_parallel_attributes, shard_of
+from pentatron.tp_layers import (
+    DeferredWeightGrad,
+    deferring_store,
+    set_tensor_model_parallel_attributes,
+    shard_of,
+)
 
 from ..activations import mlp_activation
 from ..recompute import CheckpointWithoutOutput, recompute_now
@@ -65,6 +70,72 @@ def _init_stacked(weight, full_shape, init_method, ep_rank, etp_rank, etp, dim, 
     master = master[ep_rank * local : (ep_rank + 1) * local]
     with torch.no_grad():
         weight.copy_(shard_of(master, dim, etp_rank, etp, stride).to(weight.dtype))
+
+
+class _ExpertsLinear(torch.autograd.Function):
+    """`x [N, in]` expert-major (`counts[e]` rows for expert e) -> `[N, out]`: each group
+    times its expert's `weight [E, out, in]` transposed, plus its `bias [E, out]` row.
+
+    One loop of `F.linear`s (`offs` None) or one grouped GEMM (`offs`: the groups' end rows,
+    int32; no bias: GroupedMLP adds it after, and its grad comes in B). Backward computes what autograd computes for those ops, the same way
+    (so the numbers do not change); inside a `WeightGradStore.defer()` (zero-bubble
+    pipeline schedules) only dx is computed in B and dW, db are queued for W.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts, offs):
+        ctx.save_for_backward(x, weight)
+        ctx.weight, ctx.bias, ctx.counts, ctx.offs = weight, bias, counts, offs
+        if offs is not None:
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        outs = [
+            torch.nn.functional.linear(x_e, weight[e], None if bias is None else bias[e])
+            for e, x_e in enumerate(torch.split(x, counts, dim=0))
+        ]
+        return torch.cat(outs, dim=0) if outs else x.new_zeros((0, weight.size(1)))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()  # `_grouped_mm` rejects zero strides (a broadcast grad)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if ctx.offs is not None:
+                dx = torch._grouped_mm(dy, weight, offs=ctx.offs)
+            else:
+                parts = zip(torch.split(dy, ctx.counts, dim=0), weight)
+                dx = torch.cat([dy_e.matmul(w_e) for dy_e, w_e in parts], dim=0)
+        want_w, want_b = ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2]
+        grads = functools.partial(
+            _experts_weight_grads, x, dy, ctx.weight, ctx.bias, ctx.counts, ctx.offs, want_w, want_b
+        )
+        store = deferring_store()
+        if store is not None and (want_w or want_b):
+            nbytes = sum(t.numel() * t.element_size() for t in (x, dy))
+            store.push(DeferredWeightGrad(grads, nbytes))
+            return dx, None, None, None, None
+        by_param = dict((id(t), g) for t, g in grads())
+        return dx, by_param.get(id(ctx.weight)), by_param.get(id(ctx.bias)), None, None
+
+
+def _experts_weight_grads(x, dy, weight, bias, counts, offs, want_w, want_b):
+    """[(weight, dW [E, out, in]), (bias, db [E, out])] of `_ExpertsLinear`, as wanted."""
+    pairs = []
+    if want_w:
+        if offs is not None:
+            dw = torch._grouped_mm(x.t(), dy, offs=offs).transpose(1, 2)
+        else:
+            parts = zip(torch.split(dy, counts, dim=0), torch.split(x, counts, dim=0))
+            dw = torch.stack([dy_e.t().matmul(x_e) for dy_e, x_e in parts])
+        pairs.append((weight, dw))
+    if want_b:
+        pairs.append((bias, torch.stack([d.sum(0) for d in torch.split(dy, counts, dim=0)])))
+    return pairs
+
+
+def experts_linear(x, weight, bias, counts, offs=None):
+    """`_ExpertsLinear` (see there): `x [N, in]` expert-major -> `[N, out]`."""
+    return _ExpertsLinear.apply(x, weight, bias, tuple(counts), offs)
 
 
 class SequentialMLP(torch.nn.Module):
@@ -144,26 +215,20 @@ class SequentialMLP(torch.nn.Module):
         ckpt.discard_output_and_register_recompute(out)
         return out
 
-    def fc2_bias(self, e: int) -> torch.Tensor | None:
+    def fc2_bias(self) -> torch.Tensor | None:
         """fc2's bias on etp rank 0 only (the etp shards of fc2's output are summed later)."""
         b = self.linear_fc2.bias
-        return None if b is None or self.etp_rank != 0 else b[e]
+        return None if b is None or self.etp_rank != 0 else b
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """`[N, h]` expert-major -> `[N, h]`."""
+        """`[N, h]` expert-major -> `[N, h]`: per expert fc1, the activation, fc2 (each
+        linear one `experts_linear` over all local experts; the activation is row-wise)."""
         self._check(x, tokens_per_expert)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        outs = []
-        for e, chunk in enumerate(torch.split(x, list(tokens_per_expert), dim=0)):
-            b1 = None if fc1.bias is None else fc1.bias[e]
-            h = torch.nn.functional.linear(chunk, fc1.weight[e], b1)
-            fc2_e = functools.partial(
-                torch.nn.functional.linear, weight=fc2.weight[e], bias=self.fc2_bias(e)
-            )
-            outs.append(self.activation_then(h, fc2_e))
-        if not outs:
-            return x.new_zeros((0, x.size(-1)))
-        return torch.cat(outs, dim=0)
+        counts = list(tokens_per_expert)
+        h = experts_linear(x, fc1.weight, fc1.bias, counts)
+        fc2_bias = self.fc2_bias()
+        return self.activation_then(h, lambda a: experts_linear(a, fc2.weight, fc2_bias, counts))
 
 
 _GROUPED_MM_OK: dict[tuple[str, int | None, torch.dtype], bool] = {}
@@ -206,26 +271,6 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return _GROUPED_MM_OK[key]
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming grad contiguous: `_grouped_mm`'s backward
-    rejects a zero-stride grad (e.g. the broadcast ones of `.sum().backward()`)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """`x [N, in]` expert-major (group e ends at row offs[e]), `weight [E, out, in]`
-    -> `[N, out]`: each group times its expert's weight transposed."""
-    out = torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offs)
-    return _ContiguousGrad.apply(out)
-
-
 class GroupedMLP(SequentialMLP):
     """Same parameters as SequentialMLP; one grouped GEMM per linear when supported."""
 
@@ -246,10 +291,13 @@ class GroupedMLP(SequentialMLP):
         counts = torch.tensor(list(tokens_per_expert), device=x.device)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        h = _grouped_linear(x, fc1.weight, offs)
+        sizes = list(tokens_per_expert)
+        h = experts_linear(x.contiguous(), fc1.weight, None, sizes, offs)
         if fc1.bias is not None:
             h = h + fc1.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
-        out = self.activation_then(h, lambda a: _grouped_linear(a, fc2.weight, offs))
+        out = self.activation_then(
+            h, lambda a: experts_linear(a.contiguous(), fc2.weight, None, sizes, offs)
+        )
         if fc2.bias is not None and self.etp_rank == 0:
             out = out + fc2.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
         return out

@@ -14,11 +14,12 @@ from .te import (
     row_parallel_linear,
     te_available,
 )
-from .weight_grad_store import WeightGradStore, deferring_store
+from .weight_grad_store import DeferredWeightGrad, WeightGradStore, deferring_store
 from .wgrad import accumulate_weight_grad, placeholder_grad, wgrad_kernel
 
 __all__ = [
     "ColumnParallelLinear",
+    "DeferredWeightGrad",
     "LayerNormColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
