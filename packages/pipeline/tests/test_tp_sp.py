@@ -193,6 +193,7 @@ CASES = [
     dict(m=3, schedule="zb-h1", batch=False, dealloc=True),
     dict(m=5, schedule="zb-h1", tp=1, pp=4),
     dict(m=2, schedule="zb-h1", tp=1, pp=4),  # fewer micro-batches than stages
+    dict(m=4, schedule="zb-h1", tp=1, pp=4, batch=False, dealloc=True),  # even/odd p2p order
 ]
 
 
