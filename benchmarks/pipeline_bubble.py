@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,7 +127,9 @@ def measured_rank(vpp: int | None, m: int, schedule: str) -> list[list[tuple]]:
         destroy_model_parallel(grid)
 
 
-def measured_rows(pools: Any) -> list[dict[str, Any]]:
+def measured_rows(pools: Any, png_dir: str | None = None) -> list[dict[str, Any]]:
+    """One row per MEASURED case; with `png_dir`, also each case's median step drawn there
+    (`pentatron.pipeline.render`: F blue, B green, W orange, idle white)."""
     from pentatron.pipeline import (
         Event,
         bubble_report,
@@ -137,11 +140,15 @@ def measured_rows(pools: Any) -> list[dict[str, Any]]:
     rows = []
     for p, vpp, m, schedule in MEASURED:
         per_rank = pools.run(p, measured_rank, vpp, m, schedule)
-        fractions = []
+        fractions, steps = [], []
         for rep in range(REPS):
             events = [Event(*e) for r in per_rank for e in r[rep]]
             fractions.append(bubble_report(events).bubble_fraction)
+            steps.append(events)
         v = vpp or 1
+        if png_dir is not None:
+            median = steps[fractions.index(statistics.median_low(fractions))]
+            _draw(median, f"{png_dir}/measured_{schedule}_p{p}_m{m}.png", f"{schedule} p={p} m={m}")
         theory = (
             zb_h1_bubble_fraction(p, m) if schedule == "zb-h1" else ideal_bubble_fraction(p, m, v)
         )
@@ -152,12 +159,31 @@ def measured_rows(pools: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _draw(events: list[Any], path: str, title: str) -> None:
+    """The step's events from time 0, in milliseconds, as a PNG."""
+    import dataclasses
+
+    from pentatron.pipeline.render import render_png
+
+    t0 = min(e.start for e in events)
+    shifted = [
+        dataclasses.replace(e, start=(e.start - t0) * 1e3, end=(e.end - t0) * 1e3) for e in events
+    ]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    render_png(shifted, path, title=f"{title} (measured, ms)")
+
+
 def main() -> None:
+    import argparse
+
     from pentatron.parallel_state.testing import PoolSet
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--png-dir", default=None, help="also draw each measured step here")
+    args = parser.parse_args()
     pools = PoolSet()
     try:
-        rows = simulated_rows() + measured_rows(pools)
+        rows = simulated_rows() + measured_rows(pools, args.png_dir)
     finally:
         pools.close()
     for row in rows:
