@@ -166,6 +166,13 @@ def _w_after_reduce():
     return stack
 
 
+def first_steps(record: dict[str, list], steps: int) -> dict[str, list]:
+    """`record` (train_record's) cut to its first `steps` iterations: what the same run
+    stopped by `--exit-interval steps` must give (same data, same lr schedule), so a
+    planted bug is caught without a full-length run."""
+    return {key: values[:steps] for key, values in record.items()}
+
+
 def last_stage(per_rank: list, count: int | None = None) -> list:
     """The results of the ranks that hold losses (the last pipeline stage); there must be
     `count` of them (world / pp) when given, else at least one."""
