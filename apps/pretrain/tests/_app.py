@@ -149,9 +149,10 @@ def _w_after_reduce():
     import contextlib
     from unittest import mock
 
+    from pentatron.pipeline.schedules import one_f_one_b
     from pentatron.pipeline.schedules import zero_bubble_h1 as zb
 
-    table, finalize = zb.weights_after_backward, zb.finalize
+    table, finalize = zb.weights_after_backward, one_f_one_b.finalize
 
     def without_last_w(pp, rank, m):
         return {b: [w for w in ws if w != m - 1] for b, ws in table(pp, rank, m).items()}
@@ -162,7 +163,7 @@ def _w_after_reduce():
 
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(zb, "weights_after_backward", without_last_w))
-    stack.enter_context(mock.patch.object(zb, "finalize", finalize_then_w))
+    stack.enter_context(mock.patch.object(one_f_one_b, "finalize", finalize_then_w))
     return stack
 
 

@@ -12,11 +12,12 @@ grad_sync_func runs the reduction itself, which the other stages start after the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pentatron.parallel_state import get_default_grid
 
-from ..config import PipelineConfig, check_schedule, tensor_shape
+from ..config import PipelineConfig, PipelineConfigError, check_schedule, tensor_shape
 from ..p2p import P2PCommunicator
 from ..timeline import Timeline
 from .common import (
@@ -167,13 +168,50 @@ def forward_backward_pipelining_without_interleaving(
     micro_batch_size, hidden_size]`. Returns the loss functions' reduced outputs (last
     stage; empty elsewhere).
     """
+    return run_one_chunk(
+        "1F1B",
+        _OneFOneB,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        config=config,
+        grid=grid,
+        timeline=timeline,
+    )
+
+
+def run_one_chunk(
+    name: str,
+    runner: Callable[..., Any],
+    *,
+    forward_step_func: Any,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    config: PipelineConfig | None,
+    grid: Any,
+    timeline: Timeline | None,
+    check: Callable[[PipelineConfig, bool], None] | None = None,
+) -> list[Any]:
+    """What the one-chunk schedules share: every check before any message (`check(config,
+    forward_only)` too), then `runner(state, p2p, func, iterator, chunk, shape,
+    forward_only).run()`, then finalize_model_grads_func."""
     chunks = as_chunks(model)
     if len(chunks) != 1:
-        raise ValueError(
-            f"1F1B got {len(chunks)} model chunks; use the interleaved schedule "
-            "(vpp) for more than one"
+        raise PipelineConfigError(
+            f"{name} got {len(chunks)} model chunks; the rule: one chunk per rank; fix: pass "
+            "one chunk, or use the interleaved schedule (vpp) for more"
         )
     config = resolve_config(config, chunks)
+    if check is not None:
+        check(config, forward_only)
     grid = grid if grid is not None else get_default_grid()
     tp, cp = grid.size("tp"), grid.size("cp")
     check_schedule(
@@ -189,6 +227,6 @@ def forward_backward_pipelining_without_interleaving(
     (iterator,) = as_iterators(data_iterator, 1)
     state = StepState(config, num_microbatches, timeline)
     p2p = P2PCommunicator.from_grid(grid, config, timeline)
-    _OneFOneB(state, p2p, forward_step_func, iterator, chunks[0], shape, forward_only).run()
+    runner(state, p2p, forward_step_func, iterator, chunks[0], shape, forward_only).run()
     finalize(state, chunks, forward_only)
     return state.forward_data_store

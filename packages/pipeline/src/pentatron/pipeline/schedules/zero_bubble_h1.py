@@ -21,21 +21,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from pentatron.parallel_state import get_default_grid
-
-from ..config import PipelineConfig, PipelineConfigError, check_schedule, tensor_shape
+from ..config import PipelineConfig, PipelineConfigError
 from ..p2p import P2PCommunicator
 from ..timeline import Timeline
 from ..zero_bubble import zb_h1_rank_schedule
-from .common import (
-    StepState,
-    as_chunks,
-    as_iterators,
-    caches_weights_per_call,
-    finalize,
-    resolve_config,
-)
-from .one_f_one_b import _OneFOneB
+from .common import StepState, caches_weights_per_call
+from .one_f_one_b import _OneFOneB, run_one_chunk
 
 
 def weights_after_backward(pp: int, rank: int, num_microbatches: int) -> dict[int, list[int]]:
@@ -60,6 +51,13 @@ class _ZeroBubbleH1(_OneFOneB):
         self.weights_after = weights_after_backward(self.p2p.pp_size, self.p2p.pp_rank, m)
         self.due: list[int] = []
         self.pending: deque[int] = deque()  # micro-batches whose B ran and W has not
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException:
+            self.store.clear()  # the step is lost: so are its pending W's (and what they hold)
+            raise
 
     def backward(self, output_grad: Any) -> Any:
         mb = self.next_backward
@@ -117,43 +115,35 @@ def forward_backward_pipelining_zero_bubble_h1(
 ) -> list[Any]:
     """ZB-H1 over the pipeline group of `grid` (default: the default grid); arguments and
     result as `forward_backward_pipelining_without_interleaving`. Needs
-    `config.weight_grad_store` (e.g. `pentatron.tp_layers.WeightGradStore()`)."""
-    chunks = as_chunks(model)
-    if len(chunks) != 1:
-        raise PipelineConfigError(
-            f"ZB-H1 got {len(chunks)} model chunks; the rule: one chunk per rank (no virtual "
-            "stages); fix: pass one chunk, or use the interleaved schedule"
-        )
-    config = resolve_config(config, chunks)
-    store = config.weight_grad_store
-    if store is None and not forward_only:
+    `config.weight_grad_store` (e.g. `pentatron.tp_layers.WeightGradStore()`); forward-only
+    calls (evaluation) run 1F1B's forwards."""
+    return run_one_chunk(
+        "ZB-H1",
+        _runner,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        config=config,
+        grid=grid,
+        timeline=timeline,
+        check=_check_store,
+    )
+
+
+def _check_store(config: PipelineConfig, forward_only: bool) -> None:
+    if config.weight_grad_store is None and not forward_only:
         raise PipelineConfigError(
             "ZB-H1 with weight_grad_store=None: the schedule defers weight gradients into a "
             "store; fix: PipelineConfig(weight_grad_store=pentatron.tp_layers.WeightGradStore())"
         )
-    grid = grid if grid is not None else get_default_grid()
-    tp, cp = grid.size("tp"), grid.size("cp")
-    check_schedule(
-        config,
-        pp=grid.size("pp"),
-        vpp=None,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        tp=tp,
-        cp=cp,
-    )
-    shape = tensor_shape(config, seq_length, micro_batch_size, tp, cp)
-    (iterator,) = as_iterators(data_iterator, 1)
-    state = StepState(config, num_microbatches, timeline)
-    p2p = P2PCommunicator.from_grid(grid, config, timeline)
-    args = (state, p2p, forward_step_func, iterator, chunks[0], shape, forward_only)
+
+
+def _runner(state: StepState, p2p: P2PCommunicator, *args: Any) -> _OneFOneB:
+    forward_only = args[-1]
     if forward_only:
-        _OneFOneB(*args).run()
-    else:
-        try:
-            _ZeroBubbleH1(*args, store=store).run()
-        except BaseException:
-            store.clear()  # the step is lost: so are its pending W's (and what they hold)
-            raise
-    finalize(state, chunks, forward_only)
-    return state.forward_data_store
+        return _OneFOneB(state, p2p, *args)
+    return _ZeroBubbleH1(state, p2p, *args, store=state.config.weight_grad_store)
