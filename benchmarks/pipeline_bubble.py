@@ -1,11 +1,12 @@
 """Pipeline bubble: the simulator and measured CPU runs against the closed forms:
-(p-1)/(v*m) for 1F1B and interleaving, (p-1)/(3m) for ZB-H1.
+(p-1)/(v*m) for 1F1B and interleaving, (p-1)/(3m) for ZB-H1, (p-1)/(6m) for ZBV (start-up
+only; the simulator's table, not run yet).
 
     python benchmarks/pipeline_bubble.py
 
 1. `pentatron.pipeline.simulate` (logical time, free p2p; backward = 2 x forward, or for
-   ZB-H1 B = W = forward) for a few (p, v, m): its bubble fraction (idle / busy) over the
-   closed form; exact.
+   ZB-H1 and ZBV B = W = forward) for a few (p, v, m): its bubble fraction (idle / busy)
+   over the closed form; exact.
 2. Measured: the real 1F1B, interleaved and ZB-H1 schedules on 2 and 4 gloo processes (one
    thread each), every stage the same cost (`LAYERS` tp-layers ColumnParallelLinear(h, h)
    + tanh on [s, b, h], whose weight gradients ZB-H1 defers);
@@ -58,6 +59,11 @@ def simulated_rows() -> list[dict[str, Any]]:
             {"name": f"bubble simulator ZB-H1 p={p} m={m}",
              "measured": bubble_report(events).bubble_fraction,
              "theory": zb_h1_bubble_fraction(p, m)}
+        )  # fmt: skip
+        events = simulate(p, m, None, schedule="zbv", backward_cost=1.0, weight_cost=1.0)
+        rows.append(
+            {"name": f"bubble simulator ZBV p={p} m={m}",
+             "measured": bubble_report(events).bubble_fraction, "theory": (p - 1) / (6 * m)}
         )  # fmt: skip
     return rows
 

@@ -14,10 +14,13 @@ import pytest
 from pentatron.pipeline import bubble_report, simulate
 from pentatron.pipeline.cli import main
 from pentatron.pipeline.render import _WEIGHT, render_png
+from pentatron.pipeline.schedule_table import Op
 from pentatron.pipeline.zero_bubble import (
     peak_in_flight,
+    v_stage,
     zb_h1_bubble_fraction,
     zb_h1_rank_schedule,
+    zbv_schedules,
 )
 
 CASES = [(p, m) for p in (2, 3, 4, 5, 8) for m in (p, p + 1, 2 * p, 3 * p + 1)]
@@ -80,3 +83,75 @@ def test_the_picture_and_the_cli_show_weight_passes(tmp_path, capsys):
     assert "bubble fraction (idle/busy) 0.1250" in out and "= 0.1250" in out  # 3 / 24
     with pytest.raises(ValueError, match="one chunk per rank"):
         simulate(4, 8, vpp=2, schedule="zb-h1")
+
+
+# --- ZBV: two chunks per rank in a V ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("p", "m"), [(p, m) for p in (2, 3, 4) for m in (p, p + 1, 2 * p, 3 * p + 1)]
+)
+def test_zbv_idles_only_at_start_up(p, m):
+    """Equal chunk costs: each rank idles only the p - 1 units the first micro-batch needs to
+    reach the bottom of the V, so the bubble is (p-1)/(6m), half ZB-H1's at the same work
+    (a ZB-H1 stage is two chunks: F = B = W = 2)."""
+    report = bubble_report(simulate(p, m, schedule="zbv", backward_cost=1, weight_cost=1))
+    assert Fraction(report.makespan) == 6 * m + p - 1
+    bubble = Fraction(report.bubble_fraction).limit_denominator(10**6)
+    assert bubble == Fraction(p - 1, 6 * m)
+    h1 = bubble_report(
+        simulate(p, m, schedule="zb-h1", forward_cost=2, backward_cost=2, weight_cost=2)
+    )
+    assert 2 * bubble == Fraction(h1.bubble_fraction).limit_denominator(10**6)
+
+
+@pytest.mark.parametrize(("p", "m"), [(5, 6), (5, 10), (6, 7), (6, 12), (8, 9), (8, 16)])
+def test_zbv_greedy_stays_within_four_units_at_larger_p(p, m):
+    """The list scheduler is not the paper's search: at p 5..8 it leaves up to 4 units
+    beyond the start-up (stated in `zbv_schedules`), still well under ZB-H1's bubble."""
+    report = bubble_report(simulate(p, m, schedule="zbv", backward_cost=1, weight_cost=1))
+    assert 0 <= report.makespan - (6 * m + p - 1) <= 4
+    h1 = bubble_report(
+        simulate(p, m, schedule="zb-h1", forward_cost=2, backward_cost=2, weight_cost=2)
+    )
+    assert report.bubble_fraction < h1.bubble_fraction
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 1), (3, 2), (4, 8), (5, 11), (8, 3)])
+@pytest.mark.parametrize("costs", [(1, 1, 1), (1, 2, 1), (3, 2, 1.5)])
+def test_zbv_tables_are_complete_ordered_and_within_memory(p, m, costs):
+    tables = zbv_schedules(p, m, *costs)
+    for rank, ops in enumerate(tables):
+        assert Counter(ops) == Counter(
+            Op(k, mb, c) for k in "FBW" for mb in range(m) for c in (0, 1)
+        ), rank
+        seen: dict = {}
+        held = peak = 0
+        for i, op in enumerate(ops):
+            seen[(op.kind, op.microbatch, op.chunk)] = i
+            order = [o.microbatch for o in ops[: i + 1] if (o.kind, o.chunk) == (op.kind, op.chunk)]
+            assert order == sorted(order)  # each p2p stream in micro-batch order
+            if op.kind == "B":
+                assert ("F", op.microbatch, op.chunk) in seen
+            if op.kind == "W":
+                assert ("B", op.microbatch, op.chunk) in seen
+            held += {"F": 1, "B": 0, "W": -1}[op.kind]
+            peak = max(peak, held)
+        assert peak <= 2 * p  # 1F1B's memory: p whole stages of two chunks each
+    # the simulator runs them without a deadlock, each chunk where the V puts it
+    events = simulate(p, m, schedule="zbv", forward_cost=costs[0], backward_cost=costs[1],
+                      weight_cost=costs[2])  # fmt: skip
+    assert len(events) == 6 * m * p
+    assert [v_stage(p, r, c) for r in range(p) for c in (0, 1)] == [
+        s for r in range(p) for s in (r, 2 * p - 1 - r)
+    ]
+
+
+def test_cli_draws_zbv(tmp_path, capsys):
+    png = tmp_path / "zbv.png"
+    assert (
+        main(["--pp", "4", "--num-microbatches", "8", "--schedule", "zbv", "--png", str(png)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "bubble fraction (idle/busy) 0.0625" in out and "(p-1)/(6m) = 0.0625" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

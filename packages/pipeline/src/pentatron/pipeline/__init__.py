@@ -27,7 +27,7 @@ from .schedules import (
     get_forward_backward_func,
 )
 from .timeline import Event, ScheduleDeadlock, Timeline, simulate, simulate_ops, to_chrome_trace
-from .zero_bubble import zb_h1_bubble_fraction, zb_h1_rank_schedule
+from .zero_bubble import v_stage, zb_h1_bubble_fraction, zb_h1_rank_schedule, zbv_schedules
 
 # the installed distribution's version, so it never drifts from pyproject.toml
 __version__ = _distribution_version("pentatron-pipeline")
@@ -61,8 +61,10 @@ __all__ = [
     "rank_schedule",
     "simulate",
     "simulate_ops",
+    "v_stage",
     "zb_h1_bubble_fraction",
     "zb_h1_rank_schedule",
+    "zbv_schedules",
     "tensor_shape",
     "to_chrome_trace",
     "warmup_count",

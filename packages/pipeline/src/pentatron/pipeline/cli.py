@@ -5,7 +5,8 @@
     pentatron-pipeline-timeline --pp 4 --num-microbatches 8 --schedule zb-h1 --png zb.png
 
 `--schedule zb-h1` draws the zero-bubble table (B: input gradient, W: weight gradient; B and
-W cost 1 each unless given); the app runs it with `--pipeline-schedule zb-h1`.
+W cost 1 each unless given); the app runs it with `--pipeline-schedule zb-h1`. `--schedule
+zbv` draws ZBV's table (two chunks per rank in a V; costs are a chunk's); no executor yet.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forward-cost", type=float, default=1.0)
     ap.add_argument(
         "--schedule",
-        choices=["1f1b", "interleaved", "zb-h1"],
+        choices=["1f1b", "interleaved", "zb-h1", "zbv"],
         default=None,
         help="default: interleaved with --vpp, else 1f1b",
     )
-    ap.add_argument("--backward-cost", type=float, default=None, help="default 2 (zb-h1: 1)")
-    ap.add_argument("--weight-cost", type=float, default=1.0, help="zb-h1's W")
+    ap.add_argument("--backward-cost", type=float, default=None, help="default 2 (zb-h1, zbv: 1)")
+    ap.add_argument("--weight-cost", type=float, default=1.0, help="zb-h1's and zbv's W")
     ap.add_argument("--p2p-cost", type=float, default=0.0)
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--png", default=None, help="write the Gantt chart here")
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
     )
     check_schedule(config, pp=args.pp, vpp=args.vpp, num_microbatches=args.num_microbatches)
-    zb = args.schedule == "zb-h1"
+    zb = args.schedule in ("zb-h1", "zbv")
     backward = args.backward_cost if args.backward_cost is not None else (1.0 if zb else 2.0)
     events = simulate(
         args.pp,
@@ -72,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = bubble_report(events)
     name = f"p={args.pp}" + (f", v={args.vpp}" if args.vpp else "") + f", m={args.num_microbatches}"
     print(f"{name}: {report.summary()}")
-    if zb:
+    if args.schedule == "zbv":
+        closed = (args.pp - 1) / (6 * args.num_microbatches)
+        print(f"start-up only, equal costs: (p-1)/(6m) = {closed:.4f}")
+    elif zb:
         closed = zb_h1_bubble_fraction(
             args.pp, args.num_microbatches, args.forward_cost, backward, args.weight_cost
         )

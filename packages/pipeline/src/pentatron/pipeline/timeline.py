@@ -85,40 +85,57 @@ def simulate_ops(
     backward_cost: float = 2.0,
     p2p_cost: float = 0.0,
     weight_cost: float = 1.0,
+    placement: str = "interleaved",
 ) -> list[Event]:
     """Logical-time run of per-rank op orders on p ranks with v chunks each.
 
-    Chunk c on rank r is virtual stage s = c * p + r. F(mb, s) needs F(mb, s - 1) (plus
-    p2p_cost), B(mb, s) needs B(mb, s + 1) (plus p2p_cost) or, on the last stage, F(mb, s);
-    W(mb, s) needs B(mb, s) (same rank). Each rank runs its ops in order, one at a time.
-    `backward_cost` is a B's: a whole backward in 1F1B / interleaved, the input gradient
-    alone where the schedule has W's (`weight_cost`).
+    Chunk c on rank r is virtual stage s = c * p + r (`placement="interleaved"`), or with
+    `placement="v"` (two chunks, ZBV) s = r for chunk 0 and 2p - 1 - r for chunk 1. F(mb, s)
+    needs F(mb, s - 1), B(mb, s) needs B(mb, s + 1) or, on the last stage, F(mb, s), each
+    plus p2p_cost where the two stages sit on different ranks; W(mb, s) needs B(mb, s)
+    (same rank). Each rank runs its ops in order, one at a time. `backward_cost` is a B's:
+    a whole backward in 1F1B / interleaved, the input gradient alone where the schedule
+    has W's (`weight_cost`).
     """
     p = len(ops_per_rank)
     last = p * num_model_chunks - 1
+    if placement == "v":
+        if num_model_chunks != 2:
+            raise ValueError(f"placement='v' with {num_model_chunks} chunks: the V has 2")
+
+        def stage_of(r: int, c: int) -> int:
+            return r if c == 0 else 2 * p - 1 - r
+
+        def rank_of(s: int) -> int:
+            return s if s < p else 2 * p - 1 - s
+    elif placement == "interleaved":
+
+        def stage_of(r: int, c: int) -> int:
+            return c * p + r
+
+        def rank_of(s: int) -> int:
+            return s % p
+    else:
+        raise ValueError(f"placement={placement!r}: 'interleaved' or 'v'")
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
     pos = [0] * p
     events: list[Event] = []
 
     def ready(op: Op, rank: int) -> float | None:
-        s = op.chunk * p + rank
+        s = stage_of(rank, op.chunk)
         if op.kind == "W":
             key = ("B", op.microbatch, s)
             return done.get(key)
-        if op.kind == "F":
-            dep, hop = (("F", op.microbatch, s - 1), s > 0)
-        else:
-            dep, hop = (
-                (("B", op.microbatch, s + 1), True)
-                if s < last
-                else (("F", op.microbatch, s), False)
-            )
         if op.kind == "F" and s == 0:
             return 0.0
+        if op.kind == "F":
+            dep = ("F", op.microbatch, s - 1)
+        else:
+            dep = ("B", op.microbatch, s + 1) if s < last else ("F", op.microbatch, s)
         if dep not in done:
             return None
-        return done[dep] + (p2p_cost if hop else 0.0)
+        return done[dep] + (p2p_cost if rank_of(dep[2]) != rank else 0.0)
 
     while any(pos[r] < len(ops_per_rank[r]) for r in range(p)):
         progressed = False
@@ -131,7 +148,7 @@ def simulate_ops(
                 start = max(free[r], arrival)
                 cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}[op.kind]
                 end = start + cost
-                done[(op.kind, op.microbatch, op.chunk * p + r)] = end
+                done[(op.kind, op.microbatch, stage_of(r, op.chunk))] = end
                 events.append(Event(r, start, end, _KIND_OF_OP[op.kind], op.microbatch, op.chunk))
                 free[r] = end
                 pos[r] += 1
@@ -155,8 +172,19 @@ def simulate(
     weight_cost: float = 1.0,
 ) -> list[Event]:
     """Simulate the schedule `get_forward_backward_func(pp, vpp)` runs (see `simulate_ops`),
-    or with `schedule="zb-h1"` the zero-bubble table (`zero_bubble`; its B is the input
-    gradient alone, so pass its cost as `backward_cost`)."""
+    or with `schedule="zb-h1"` / `"zbv"` a zero-bubble table (`zero_bubble`; its B is the
+    input gradient alone, so pass its cost as `backward_cost`; ZBV's costs are a chunk's,
+    half a stage's)."""
+    if schedule == "zbv":
+        if vpp is not None or forward_only:
+            raise ValueError(
+                f"schedule='zbv' with vpp={vpp}, forward_only={forward_only}: the rule: ZBV has "
+                "its own two chunks per rank and a backward; fix: vpp=None"
+            )
+        from .zero_bubble import zbv_schedules
+
+        ops = zbv_schedules(pp, num_microbatches, forward_cost, backward_cost, weight_cost)
+        return simulate_ops(ops, 2, forward_cost, backward_cost, p2p_cost, weight_cost, "v")
     if schedule == "zb-h1":
         if vpp is not None or forward_only:
             raise ValueError(
@@ -167,7 +195,7 @@ def simulate(
 
         ops = [zb_h1_rank_schedule(pp, r, num_microbatches) for r in range(pp)]
     elif schedule not in (None, "1f1b", "interleaved"):
-        raise ValueError(f"schedule={schedule!r}: one of '1f1b', 'interleaved', 'zb-h1'")
+        raise ValueError(f"schedule={schedule!r}: one of '1f1b', 'interleaved', 'zb-h1', 'zbv'")
     else:
         ops = [
             rank_schedule(pp, r, num_microbatches, vpp, group_size, forward_only) for r in range(pp)
