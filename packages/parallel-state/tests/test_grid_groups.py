@@ -97,3 +97,45 @@ def _two_grids():
 
 def test_two_grids_coexist_without_default(distributed):
     assert distributed.run(4, _two_grids) == [(2.0, 4.0)] * 4
+
+
+def _twin(_=None):
+    """tp2-pp2: the pp twin is a distinct group over the pp ranks; a message on one group
+    does not match a receive on the other; errors name it."""
+    from datetime import timedelta
+
+    grid = initialize_model_parallel(ParallelConfig(tp=2, pp=2, timeout=timedelta(seconds=2)))
+    twin = grid.twin_group("pp")
+    assert twin is grid.twin_group("pp")  # cached: no second new_group
+    assert twin is not grid.group("pp")
+    x = torch.tensor([float(dist.get_rank())], dtype=torch.float64)
+    comm.all_reduce(x, group=twin)
+    peer = grid.ranks("pp")[1 - grid.rank("pp")]
+    # Both ranks send one tensor on each group, twin first; the receives are posted in the
+    # other order: each matches its own group's send, so the values do not swap.
+    sends = [
+        comm.isend(torch.tensor([10.0 + dist.get_rank()]), peer, group=twin),
+        comm.isend(torch.tensor([20.0 + dist.get_rank()]), peer, group=grid.group("pp")),
+    ]
+    on_pp, on_twin = torch.zeros(1), torch.zeros(1)
+    comm.irecv(on_pp, peer, group=grid.group("pp")).wait()
+    comm.irecv(on_twin, peer, group=twin).wait()
+    for s in sends:
+        s.wait()
+    error = ""
+    if grid.rank("pp") == 0:  # a receive no one sends: the named timeout
+        try:
+            comm.irecv(torch.zeros(1), peer, group=twin).wait()
+        except comm.CollectiveError as e:
+            error = str(e)
+    return x.item(), sorted(grid.ranks("pp")), on_pp.item(), on_twin.item(), peer, error
+
+
+def test_twin_group(distributed):
+    results = distributed.run(4, _twin)
+    distributed.pool(4).close()  # the abandoned receive: start the next test afresh
+    for got in results:
+        total, ranks, on_pp, on_twin, peer, _ = got
+        assert total == sum(ranks)
+        assert (on_pp, on_twin) == (20.0 + peer, 10.0 + peer)
+    assert sum("'pp-twin'" in r[-1] for r in results) == 2, [r[-1] for r in results]

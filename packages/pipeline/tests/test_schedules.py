@@ -26,6 +26,7 @@ from pentatron.pipeline import (
     StageLayout,
     Timeline,
     get_forward_backward_func,
+    v_stage,
 )
 
 ATOL = 1e-10  # fp64: pipelining reorders nothing inside a micro-batch, only accumulation order
@@ -462,8 +463,15 @@ def test_bad_microbatch_count_fails_before_any_message(distributed):
 def _stage_raises(schedule: str | None = None) -> str:
     grid = initialize_model_parallel(ParallelConfig(pp=2, timeout=timedelta(seconds=3)))
     rank = grid.rank("pp")
-    layout = StageLayout(LAYERS, 2)
-    chunk = Chunk(build_blocks(), layout.layers(rank), rank == 0, 0)
+    if schedule == "zbv":  # the V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+        per = LAYERS // 4
+        stages = [v_stage(2, rank, c) for c in range(2)]
+        blocks = build_blocks()
+        chunks = [
+            Chunk(blocks, range(s * per, (s + 1) * per), s == 0, c) for c, s in enumerate(stages)
+        ]
+    else:
+        chunks = [Chunk(build_blocks(), StageLayout(LAYERS, 2).layers(rank), rank == 0, 0)]
     data = microbatches(4)
     calls = {"n": 0}
 
@@ -475,7 +483,7 @@ def _stage_raises(schedule: str | None = None) -> str:
         return model(x), make_loss(target, mask, False)
 
     store = None
-    if schedule == "zb-h1":
+    if schedule in ("zb-h1", "zbv"):
         from pentatron.tp_layers import WeightGradStore
 
         store = WeightGradStore()
@@ -483,7 +491,7 @@ def _stage_raises(schedule: str | None = None) -> str:
     func(
         forward_step_func=forward_step,
         data_iterator=iter(data),
-        model=[chunk],
+        model=chunks,
         num_microbatches=4,
         seq_length=S,
         micro_batch_size=B,
@@ -493,7 +501,7 @@ def _stage_raises(schedule: str | None = None) -> str:
     return "finished"
 
 
-@pytest.mark.parametrize("schedule", [None, "zb-h1"])
+@pytest.mark.parametrize("schedule", [None, "zb-h1", "zbv"])
 def test_stage_that_raises_fails_every_rank(distributed, schedule):
     from pentatron.parallel_state.testing import RankError
 
@@ -553,7 +561,7 @@ def test_interleaved_stage_that_raises_fails_every_rank(distributed):
 @pytest.mark.parametrize(
     ("vpp", "schedule", "match"),
     [
-        (None, "zbv", "no executor yet; fix: use schedule='zb-h1'"),
+        (2, "zbv", "only it runs virtual stages"),
         (None, "interleaved", "only it runs virtual stages"),
         (2, "zb-h1", "only it runs virtual stages"),
         (None, "gpipe", "one of 1f1b, interleaved, zb-h1, zbv"),
@@ -564,13 +572,21 @@ def test_a_schedule_that_does_not_fit_is_refused(vpp, schedule, match):
         get_forward_backward_func(2, vpp, schedule)
 
 
-def test_zb_h1_without_a_weight_grad_store_is_refused_before_any_message():
-    chunk = Chunk(build_blocks(), range(LAYERS), True, 0)
-    with comm.trace() as ledger, pytest.raises(PipelineConfigError, match="weight_grad_store"):
-        get_forward_backward_func(2, None, "zb-h1")(
+@pytest.mark.parametrize(
+    ("schedule", "nchunks", "match"),
+    [
+        ("zb-h1", 1, "weight_grad_store"),
+        ("zbv", 2, "weight_grad_store"),
+        ("zbv", 1, "two per rank"),
+    ],
+)
+def test_zero_bubble_misuse_is_refused_before_any_message(schedule, nchunks, match):
+    chunks = [Chunk(build_blocks(), range(LAYERS), True, c) for c in range(nchunks)]
+    with comm.trace() as ledger, pytest.raises(PipelineConfigError, match=match):
+        get_forward_backward_func(2, None, schedule)(
             forward_step_func=None,
             data_iterator=None,
-            model=chunk,
+            model=chunks,
             num_microbatches=4,
             seq_length=S,
             micro_batch_size=B,

@@ -18,7 +18,9 @@ from pentatron.pipeline import (
     StageLayout,
     Timeline,
     get_forward_backward_func,
+    v_stage,
     zb_h1_rank_schedule,
+    zbv_schedules,
 )
 
 tp_layers = pytest.importorskip("pentatron.tp_layers")  # the `test` extra installs it
@@ -109,21 +111,35 @@ def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 def _run(case: dict) -> dict:
     vpp, m, schedule = case.get("vpp"), case["m"], case.get("schedule")
     tp, pp = case.get("tp", TP), case.get("pp", PP)
-    v = vpp or 1
+    zbv = schedule == "zbv"
+    v = 2 if zbv else vpp or 1
     grid = initialize_model_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
     tp_group, tp_rank, pp_rank = grid.group("tp"), grid.rank("tp"), grid.rank("pp")
     layout = StageLayout(LAYERS, pp, vpp)
     master = _master()
+
+    def layers(c: int) -> range:
+        if not zbv:
+            return layout.layers(pp_rank, c)
+        per, stage = LAYERS // (2 * pp), v_stage(pp, pp_rank, c)  # the V: down, then up
+        return range(stage * per, (stage + 1) * per)
+
     chunks = [
-        _Chunk(master, layout.layers(pp_rank, c), pp_rank == 0 and c == 0, tp_group, tp_rank, tp)
-        for c in range(v)
+        _Chunk(master, layers(c), pp_rank == 0 and c == 0, tp_group, tp_rank, tp) for c in range(v)
     ]
-    last = [pp_rank == pp - 1 and c == v - 1 for c in range(v)]
+    last = [
+        (pp_rank == 0 and c == 1) if zbv else (pp_rank == pp - 1 and c == v - 1) for c in range(v)
+    ]
     seq = slice(tp_rank * S // tp, (tp_rank + 1) * S // tp)  # this rank's positions
+
+    freed_at_backward: list[bool] = []  # per sent output: its data was gone when B reached it
 
     def forward_step(it, model):
         x, target, mask = next(it)
         out = model(x[seq].contiguous())
+        if not last[chunks.index(model)] and not (zbv and pp_rank == pp - 1 and model is chunks[0]):
+            # A sent output (not the loss, not ZBV's in-memory turn).
+            out.register_hook(lambda g, out=out: freed_at_backward.append(out.numel() == 1))
 
         def loss_func(output):
             # This rank's share of the micro-batch loss; the shares sum to the full loss.
@@ -138,7 +154,7 @@ def _run(case: dict) -> dict:
         sequence_parallel=True,
         batch_p2p_comm=case.get("batch", True),
         deallocate_pipeline_outputs=case.get("dealloc", False),
-        weight_grad_store=tp_layers.WeightGradStore() if schedule == "zb-h1" else None,
+        weight_grad_store=tp_layers.WeightGradStore() if schedule in ("zb-h1", "zbv") else None,
     )
     data = _data(m)
     timeline = Timeline(rank=pp_rank)
@@ -150,6 +166,7 @@ def _run(case: dict) -> dict:
             num_microbatches=m,
             seq_length=S,
             micro_batch_size=B,
+            forward_only=case.get("forward_only", False),
             config=config,
             grid=grid,
             timeline=timeline,
@@ -162,7 +179,7 @@ def _run(case: dict) -> dict:
         tp_layers.sync_sequence_parallel_grads(chunk, tp_group)
     ref_losses, ref_grads = _reference(m)
     err = 0.0
-    for chunk in chunks:
+    for chunk in [] if case.get("forward_only") else chunks:
         for i, block in zip(chunk.layers, chunk.blocks):
             got = dict(
                 w1=_gather(block.fc1.weight.grad, 0, tp_group),
@@ -179,7 +196,8 @@ def _run(case: dict) -> dict:
         "nlayers": sum(len(c.layers) for c in chunks),
         "loss_err": loss_err,
         "sends": sends,
-        "ops": [(o.kind, o.microbatch) for o in timeline.ops()],
+        "ops": [(o.kind, o.microbatch, o.chunk) for o in timeline.ops()],
+        "freed_at_backward": freed_at_backward,
     }
 
 
@@ -194,6 +212,12 @@ CASES = [
     dict(m=5, schedule="zb-h1", tp=1, pp=4),
     dict(m=2, schedule="zb-h1", tp=1, pp=4),  # fewer micro-batches than stages
     dict(m=4, schedule="zb-h1", tp=1, pp=4, batch=False, dealloc=True),  # even/odd p2p order
+    # ZBV: two chunks per rank in a V, its table's order, the loss on pipeline rank 0.
+    dict(m=4, schedule="zbv"),
+    dict(m=3, schedule="zbv", dealloc=True),
+    dict(m=8, schedule="zbv", tp=1, pp=4),
+    dict(m=2, schedule="zbv", tp=1, pp=4),  # fewer micro-batches than stages
+    dict(m=5, schedule="zbv", tp=1, pp=4, forward_only=True),
 ]
 
 
@@ -201,14 +225,23 @@ CASES = [
 def test_pipeline_with_tensor_and_sequence_parallel_matches_one_process(distributed, case):
     tp, pp = case.get("tp", TP), case.get("pp", PP)
     results = distributed.run(tp * pp, _run, case)
-    m, v = case["m"], case.get("vpp") or 1
+    m, v, schedule = case["m"], case.get("vpp") or 1, case.get("schedule")
     per_message = S // tp * B * H  # [s/t, b, h]
     for r in results:
-        if case.get("schedule") == "zb-h1":
+        # deallocate_pipeline_outputs: every sent output's data is gone before its
+        # backward reaches it (ZBV frees once the send completed); without it, none is.
+        freed = r["freed_at_backward"]
+        assert freed == [bool(case.get("dealloc"))] * len(freed), (r["pp_rank"], freed)
+    assert case.get("forward_only") or sum(len(r["freed_at_backward"]) for r in results) > 0
+    if schedule == "zbv":
+        _check_zbv(results, m, pp, tp, per_message, bool(case.get("forward_only")))
+        return
+    for r in results:
+        if schedule == "zb-h1":
             table = zb_h1_rank_schedule(pp, r["pp_rank"], m)
-            assert r["ops"] == [(o.kind, o.microbatch) for o in table], r["pp_rank"]
+            assert r["ops"] == [(o.kind, o.microbatch, o.chunk) for o in table], r["pp_rank"]
         else:
-            assert {kind for kind, _ in r["ops"]} <= {"F", "B"}
+            assert {kind for kind, *_ in r["ops"]} <= {"F", "B"}
         assert r["grad_err"] <= ATOL, (case, r)
         if r["pp_rank"] == pp - 1:
             assert r["loss_err"] is not None and r["loss_err"] <= ATOL, (case, r)
@@ -223,3 +256,28 @@ def test_pipeline_with_tensor_and_sequence_parallel_matches_one_process(distribu
     assert sum(r["nlayers"] for r in results) == tp * LAYERS
     # Each pipeline (one per tp rank): 2 * m * (p*v - 1) messages sent.
     assert sum(op == "send" for r in results for op, _ in r["sends"]) == tp * 2 * m * (pp * v - 1)
+
+
+def _check_zbv(
+    results: list, m: int, pp: int, tp: int, per_message: int, forward_only: bool
+) -> None:
+    """ZBV: grads and the losses (on pipeline rank 0) as one process; each rank ran its
+    table; messages: each of the 2p - 2 boundaries between ranks (the turn at rank p - 1
+    stays in memory) carries m activations and m grads, so rank r sends 2m down unless it
+    is the last rank and 2m up unless it is the first."""
+    tables = zbv_schedules(pp, m)
+    ways = 1 if forward_only else 2  # activations, and grads when training
+    for r in results:
+        rank = r["pp_rank"]
+        assert r["grad_err"] <= ATOL, r
+        table = [(o.kind, o.microbatch, o.chunk) for o in tables[rank]]
+        if forward_only:  # the table's F's, in its order
+            table = [op for op in table if op[0] == "F"]
+        assert r["ops"] == table, rank
+        if rank == 0:
+            assert r["loss_err"] is not None and r["loss_err"] <= ATOL, r
+        assert {e for _, e in r["sends"]} <= {per_message}, r["sends"]
+        want = ways * m * ((rank < pp - 1) + (rank > 0))
+        assert sum(op == "send" for op, _ in r["sends"]) == want, (rank, r["sends"])
+        assert sum(op == "recv" for op, _ in r["sends"]) == want
+    assert sum(r["nlayers"] for r in results) == tp * LAYERS

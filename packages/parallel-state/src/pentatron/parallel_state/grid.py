@@ -50,12 +50,34 @@ class ProcessGrid:
         """Every rank, on the host backend (gloo): CPU tensors for host-side coordination
         (flags agreed between ranks, barriers around file writes, object broadcasts)."""
         self._groups = groups
+        self._twins: dict[str, Any] = {}
         self.virtual_pipeline_rank: int | None = 0 if layout.vpp else None
 
     # --- per-family queries ------------------------------------------------------------
     def group(self, name: str) -> Any:
         """The process group of family `name` holding this rank (None: rank not a member)."""
         return self._groups.get(canonical(name))
+
+    def twin_group(self, name: str) -> Any:
+        """A second group over the same ranks as this rank's group of `name`, named
+        "<name>-twin" in collective errors, with the grid's backend and timeout.
+
+        Why: between two ranks a group carries point-to-point messages as one ordered
+        queue per direction (NCCL matches them in issue order); a schedule with two
+        independent streams between the same pair (ZBV's two chunks) gives each its own.
+        Made on the first call, which is collective over the world (`new_group`): every
+        rank must make it at the same point; cached after. Destroyed with the grid.
+        """
+        family = canonical(name)
+        if family not in self._twins:
+            for ranks in self.all_ranks(family):  # every rank, every group, one order
+                group = dist.new_group(
+                    ranks=ranks, timeout=self.config.timeout, backend=self.device_choice.backend
+                )
+                if self.global_rank in ranks:
+                    self._twins[family] = group
+                    comm.register_group_name(group, f"{family}-twin")
+        return self._twins.get(family)
 
     def ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's group of `name` ([] if this rank is not a member)."""
@@ -190,13 +212,14 @@ def destroy_model_parallel(grid: ProcessGrid | None = None) -> None:
     if grid is None:
         return
     seen = set()
-    for group in grid._groups.values():
+    for group in [*grid._groups.values(), *grid._twins.values()]:
         if id(group) in seen:
             continue
         seen.add(id(group))
         comm.forget_group(group)
         dist.destroy_process_group(group)
     grid._groups.clear()
+    grid._twins.clear()
     host = grid.host_group
     if host is not None and host is not dist.group.WORLD and id(host) not in seen:
         comm.forget_group(host)

@@ -10,6 +10,7 @@ from .common import backward_step, custom_backward, deallocate_output_tensor, fo
 from .interleaved import forward_backward_pipelining_with_interleaving
 from .no_pipelining import forward_backward_no_pipelining
 from .one_f_one_b import forward_backward_pipelining_without_interleaving
+from .zbv import forward_backward_pipelining_zbv
 from .zero_bubble_h1 import forward_backward_pipelining_zero_bubble_h1
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
@@ -20,18 +21,14 @@ def get_forward_backward_func(
 ) -> Callable[..., Any]:
     """pp == 1: no pipelining; pp > 1: `schedule`, by default (None) 1F1B when vpp is None
     and interleaved when it is set, as Megatron-LM picks. A schedule that does not fit vpp
-    raises PipelineConfigError before anything runs."""
+    raises PipelineConfigError before anything runs (ZBV's two chunks per rank are its
+    own V, not virtual stages: vpp None)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise PipelineConfigError(f"schedule={schedule!r}: the rule: one of {', '.join(SCHEDULES)}")
     if pp == 1:
         return forward_backward_no_pipelining
     if schedule is None:
         schedule = "1f1b" if vpp is None else "interleaved"
-    if schedule == "zbv":
-        raise PipelineConfigError(
-            "schedule='zbv': the V-shaped zero-bubble schedule runs as a table (simulate, "
-            "timeline) but has no executor yet; fix: use schedule='zb-h1'"
-        )
     if (schedule == "interleaved") != (vpp is not None):
         raise PipelineConfigError(
             f"schedule={schedule!r} with vpp={vpp}: the rule: the interleaved schedule and only "
@@ -42,6 +39,7 @@ def get_forward_backward_func(
         "1f1b": forward_backward_pipelining_without_interleaving,
         "interleaved": forward_backward_pipelining_with_interleaving,
         "zb-h1": forward_backward_pipelining_zero_bubble_h1,
+        "zbv": forward_backward_pipelining_zbv,
     }[schedule]
 
 
@@ -53,6 +51,7 @@ __all__ = [
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_zbv",
     "forward_backward_pipelining_zero_bubble_h1",
     "forward_step",
     "get_forward_backward_func",
