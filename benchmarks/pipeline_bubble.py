@@ -1,15 +1,16 @@
 """Pipeline bubble: the simulator and measured CPU runs against the closed forms:
 (p-1)/(v*m) for 1F1B and interleaving, (p-1)/(3m) for ZB-H1, (p-1)/(6m) for ZBV (start-up
-only; the simulator's table, not run yet).
+only).
 
     python benchmarks/pipeline_bubble.py
 
 1. `pentatron.pipeline.simulate` (logical time, free p2p; backward = 2 x forward, or for
    ZB-H1 and ZBV B = W = forward) for a few (p, v, m): its bubble fraction (idle / busy)
    over the closed form; exact.
-2. Measured: the real 1F1B, interleaved and ZB-H1 schedules on 2 and 4 gloo processes (one
-   thread each), every stage the same cost (`LAYERS` tp-layers ColumnParallelLinear(h, h)
-   + tanh on [s, b, h], whose weight gradients ZB-H1 defers);
+2. Measured: the real 1F1B, interleaved, ZB-H1 and ZBV schedules on 2 and 4 gloo processes
+   (one thread each), every rank the same cost (`LAYERS` tp-layers ColumnParallelLinear(h, h)
+   + tanh on [s, b, h], whose weight gradients ZB-H1 and ZBV defer; split over the chunks
+   of interleaving and of ZBV's V);
    the compute spans come from the schedule's own `Timeline`, the bubble from
    `bubble_report` over both ranks' events. p2p time and the machine's noise count as
    idle, so the ratio is >= 1 and only its size is machine-dependent. Median of `REPS` steps.
@@ -33,8 +34,10 @@ MEASURED = (
     (2, None, 8, "1f1b"),
     (2, 2, 8, "interleaved"),
     (2, None, 8, "zb-h1"),
+    (2, None, 8, "zbv"),
     (4, None, 8, "1f1b"),
     (4, None, 8, "zb-h1"),
+    (4, None, 8, "zbv"),
 )
 
 
@@ -69,12 +72,12 @@ def simulated_rows() -> list[dict[str, Any]]:
 
 
 class _Stage(torch.nn.Module):
-    def __init__(self, first: bool) -> None:
+    def __init__(self, first: bool, layers: int = LAYERS) -> None:
         super().__init__()
         from pentatron.tp_layers import ColumnParallelLinear
 
         torch.manual_seed(0)  # equal cost and equal numbers on every stage
-        self.fcs = torch.nn.ModuleList(ColumnParallelLinear(H, H) for _ in range(LAYERS))
+        self.fcs = torch.nn.ModuleList(ColumnParallelLinear(H, H) for _ in range(layers))
         self.first, self.input_tensor = first, None
 
     def set_input_tensor(self, tensors: list) -> None:
@@ -103,14 +106,14 @@ def measured_rank(vpp: int | None, m: int, schedule: str) -> list[list[tuple]]:
     from pentatron.tp_layers import WeightGradStore
 
     torch.set_num_threads(1)
-    p, v = dist.get_world_size(), vpp or 1
+    p, v = dist.get_world_size(), 2 if schedule == "zbv" else vpp or 1
     grid = initialize_model_parallel(ParallelConfig(pp=p, vpp=vpp))
     try:
         rank = grid.rank("pp")
-        chunks = [_Stage(first=(rank == 0 and c == 0)) for c in range(v)]
+        chunks = [_Stage(rank == 0 and c == 0, LAYERS // v) for c in range(v)]
         data = [torch.randn(S, B, H) for _ in range(m)]
         func = get_forward_backward_func(p, vpp, schedule)
-        store = WeightGradStore() if schedule == "zb-h1" else None
+        store = WeightGradStore() if schedule in ("zb-h1", "zbv") else None
         reps = []
         for _ in range(REPS + 1):  # the first is a warm-up
             dist.barrier()
@@ -119,7 +122,7 @@ def measured_rank(vpp: int | None, m: int, schedule: str) -> list[list[tuple]]:
             func(
                 forward_step_func=_forward_step,
                 data_iterator=[iter(data) for _ in range(v)],
-                model=chunks if vpp else chunks[0],
+                model=chunks if v > 1 else chunks[0],
                 num_microbatches=m, seq_length=S, micro_batch_size=B,
                 config=PipelineConfig(hidden_size=H, weight_grad_store=store), grid=grid,
                 timeline=timeline,
@@ -151,13 +154,14 @@ def measured_rows(pools: Any, png_dir: str | None = None) -> list[dict[str, Any]
             events = [Event(*e) for r in per_rank for e in r[rep]]
             fractions.append(bubble_report(events).bubble_fraction)
             steps.append(events)
-        v = vpp or 1
+        v = 2 if schedule == "zbv" else vpp or 1
         if png_dir is not None:
             median = steps[fractions.index(statistics.median_low(fractions))]
             _draw(median, f"{png_dir}/measured_{schedule}_p{p}_m{m}.png", f"{schedule} p={p} m={m}")
-        theory = (
-            zb_h1_bubble_fraction(p, m) if schedule == "zb-h1" else ideal_bubble_fraction(p, m, v)
-        )
+        theory = {
+            "zb-h1": zb_h1_bubble_fraction(p, m),
+            "zbv": (p - 1) / (6 * m),  # the V's start-up, equal F, B, W (its table's bubble)
+        }.get(schedule, ideal_bubble_fraction(p, m, v))
         rows.append(
             {"name": f"bubble measured ({p} CPU procs) {schedule} p={p} v={v} m={m}",
              "measured": statistics.median(fractions), "theory": theory}

@@ -105,7 +105,7 @@ PLANTS = ("grad_x2", "grad_x0.5", "no_microbatch_average", "dp_sum")
 MTP_PLANTS = ("mtp_local_counts", "aux_loss_without_cp")
 # The zero-bubble schedule's ordering: the last micro-batch's W (weight gradients) run after
 # the step's grad reduction instead of before it (test_e2e_zero_bubble.py).
-ZB_PLANTS = ("zb_w_after_reduce",)
+ZB_PLANTS = ("zb_w_after_reduce", "zbv_w_after_reduce")
 
 
 def _planted(plant: str):
@@ -142,6 +142,8 @@ def _planted(plant: str):
         return mock.patch.object(mtp, "_summed_over", lambda t, group: t)
     if plant == "zb_w_after_reduce":
         return _w_after_reduce()
+    if plant == "zbv_w_after_reduce":
+        return _zbv_w_after_reduce()
     raise ValueError(f"plant {plant!r}: one of {PLANTS + MTP_PLANTS + ZB_PLANTS}")
 
 
@@ -164,6 +166,30 @@ def _w_after_reduce():
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(zb, "weights_after_backward", without_last_w))
     stack.enter_context(mock.patch.object(one_f_one_b, "finalize", finalize_then_w))
+    return stack
+
+
+def _zbv_w_after_reduce():
+    """ZBV: every rank's last op (a W) dropped from its table and run after finalize."""
+    import contextlib
+    from unittest import mock
+
+    from pentatron.pipeline.schedules import zbv
+
+    table, finalize = zbv.zbv_schedules, zbv.finalize
+
+    def without_last_w(pp, m):
+        tables = table(pp, m)
+        assert all(ops[-1].kind == "W" for ops in tables)
+        return [ops[:-1] for ops in tables]
+
+    def finalize_then_w(state, chunks, forward_only):
+        finalize(state, chunks, forward_only)
+        state.config.weight_grad_store.run_all()
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(zbv, "zbv_schedules", without_last_w))
+    stack.enter_context(mock.patch.object(zbv, "finalize", finalize_then_w))
     return stack
 
 

@@ -18,7 +18,7 @@ import sys
 import traceback
 
 import torch
-from _app import TP2_PP2_VPP2_SP_ZERO1
+from _app import TP2_PP2, TP2_PP2_VPP2_SP_ZERO1
 
 # A tiny GPT in bf16: every GEMM of the model must take bf16 operands on the fake GPU.
 MODEL = [
@@ -69,6 +69,23 @@ LAYOUTS = {
     # world 8: tp2 x pp2 (2 virtual stages) x dp2, SP, ZeRO-1 with overlapped grad reduce
     # and param gather (the bucket hooks and the async all-gathers run too)
     "tp2-pp2-dp2": (8, [*TP2_PP2_VPP2_SP_ZERO1, "--global-batch-size", "8"]),
+    # world 8: the same under ZBV (two chunks per rank in a V: receive buffers, the second
+    # channel's group, the loss moved from pipeline rank 0 to the last, the W store)
+    "zbv-tp2-pp2-dp2": (
+        8,
+        [
+            *TP2_PP2,
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--pipeline-schedule",
+            "zbv",
+            "--untie-embeddings-and-output-weights",
+            "--global-batch-size",
+            "8",
+        ],
+    ),
     # world 4: MoE, 4 experts over ep2 (all-to-all dispatcher, grouped GEMM), tp2 with SP,
     # aux loss and expert bias (the per-step expert-bias all-reduce)
     "moe-tp2-ep2": (

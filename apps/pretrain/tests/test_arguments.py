@@ -27,6 +27,10 @@ BASE = [
 ]
 
 
+ZBV = ["--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"]
+ZBV2 = ["--pipeline-model-parallel-size", "2", *ZBV]
+
+
 def _validated(extra, world=8):
     return validate_args(parse_args(BASE + extra), world)
 
@@ -66,11 +70,28 @@ def test_derived_values_for_the_readme_layout():
             "--num-layers-per-virtual-pipeline-stage",
         ),
         (["--pipeline-schedule", "zb-h1"], 1, "--pipeline-schedule"),  # pp 1
-        (
+        (  # ZBV: tied embeddings (the default) would sit in both chunks of rank 0
             ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
             2,
-            "--pipeline-schedule",
+            "--untie-embeddings-and-output-weights",
         ),
+        (  # 12 layers split over 4 ranks, not over the V's 2 x 4 stages
+            [*ZBV, "--pipeline-model-parallel-size", "4", "--num-layers", "12"],
+            4,
+            "--num-layers",
+        ),
+        (
+            [*ZBV2, "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+            2,
+            "--virtual-pipeline-model-parallel-size",
+        ),
+        (
+            [*ZBV2, "--decoder-first-pipeline-num-layers", "2"],
+            2,
+            "--decoder-first-pipeline-num-layers",
+        ),
+        ([*ZBV2, "--mtp-num-layers", "1"], 2, "--mtp-num-layers"),
+        ([*ZBV2, "--use-torch-fsdp2"], 4, "--use-torch-fsdp2"),
         (
             ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"],
             2,
@@ -293,6 +314,10 @@ def test_pipeline_schedule_default_and_transformer_engine():
     pp2 = ["--pipeline-model-parallel-size", "2"]
     assert _validated(pp2, 2).pipeline_schedule is None  # Megatron's pick: 1F1B here
     assert _validated([*pp2, "--pipeline-schedule", "zb-h1"], 2).pipeline_schedule == "zb-h1"
+    zbv = _validated([*pp2, *ZBV], 2)  # built as two chunks per rank, in a V
+    assert (zbv.pipeline_schedule, zbv.virtual_pipeline_model_parallel_size) == ("zbv", 2)
+    # Fewer micro-batches than stages: ZBV's table allows it (interleaving does not).
+    assert _validated([*pp2, *ZBV, "--global-batch-size", "2"], 2).num_microbatches == 1
     te = [*pp2, "--pipeline-schedule", "zb-h1", "--transformer-impl", "transformer_engine"]
     with pytest.raises(ArgumentError, match=r"^--transformer-impl=transformer_engine: .*zb-h1"):
         validate_args(parse_args(BASE + te), 2, cuda=True, have_te=True)

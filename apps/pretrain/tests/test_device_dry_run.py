@@ -4,7 +4,8 @@ cluster.
 Each case runs `_dry_run.py` in a fresh process: the app's `pretrain()` (initialize,
 get_model with DDP chunks and the distributed optimizer, the pipeline schedule, the step's
 reductions, the optimizer step, a checkpoint save) as chosen ranks of a fake world of 8
-(tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather) or 4
+(tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather; the
+same under ZBV's V with its second p2p group and the loss moved to the last rank) or 4
 (MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM), in bf16 on `meta` tensors with
 torch's fake process group (`pentatron.parallel_state.testing.fake_device`). A rank
 fails on what fails or crawls on a GPU: a host tensor handed to a compute collective (the
@@ -66,6 +67,15 @@ def test_host_reads_do_not_grow_with_micro_batches(tmp_path):
     """4 micro-batches per step (global batch 16) read the host as often as 2 do."""
     four = _ok(dry_run(tmp_path, "tp2-pp2-dp2", "7", "none", "--global-batch-size", "16"))
     assert four[7]["reads_per_step"] == [2, 2]
+
+
+def test_zbv_step_runs_on_the_fake_gpu(tmp_path):
+    """ZBV at tp2-pp2-dp2: ranks 0 (pipeline rank 0: embedding, loss) and 7 (the V's turn)."""
+    result = _ok(dry_run(tmp_path, "zbv-tp2-pp2-dp2", "0,7"))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
+        assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
 
 
 def test_moe_step_runs_on_the_fake_gpu(tmp_path):

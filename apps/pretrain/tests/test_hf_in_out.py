@@ -253,11 +253,21 @@ def _assert_same_tensors(expected: str, got: str) -> None:
         assert torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_lr0_round_trip_is_bitwise_and_first_loss_is_transformers(distributed, tmp_path, tie):
+ZBV = ["--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize(
+    ("tie", "schedule"),
+    [(False, []), (True, []), (False, ZBV)],
+    ids=["untied", "tied", "untied-zbv"],  # ZBV: rank 0 holds layers 0 and 3, the head
+)
+def test_lr0_round_trip_is_bitwise_and_first_loss_is_transformers(
+    distributed, tmp_path, tie, schedule
+):
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
     _save_llama(hf, tie)
     argv = _argv(hf, *TP2_PP2, "--use-distributed-optimizer", "--lr", "0", "--train-iters", "1")
+    argv += schedule
     per_rank = distributed.run(8, train_record, [*argv, "--export-hf-dir", out])
     _assert_first_loss(per_rank, hf, argv, 4)  # the last stage's tp2 x dp2 ranks
     _assert_same_tensors(hf, out)

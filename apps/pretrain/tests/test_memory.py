@@ -240,6 +240,10 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
             [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
             "--pipeline-schedule zb-h1: the weight-gradient store",
         ),
+        (
+            [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
+            "--pipeline-schedule zbv: the weight-gradient store",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, needle, capsys):

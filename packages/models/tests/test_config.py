@@ -7,6 +7,8 @@ import pytest
 from pentatron.models import HAVE_TE, ModelConfigError, TransformerConfig, get_gpt_layer_te_spec
 
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=8)
+V = dict(pipeline_placement="v", pipeline_model_parallel_size=2)
+V_UNTIED = dict(**V, untie_embeddings_and_output_weights=True)
 
 CASES = [
     (dict(tensor_model_parallel_size=3), "num_attention_heads=8"),
@@ -26,6 +28,15 @@ CASES = [
     (dict(hidden_size=60, num_attention_heads=8), "kv_channels"),
     (dict(position_embedding_type="rope", kv_channels=6, rotary_percent=0.5), "rotary_percent"),
     (dict(fp8="hybrid", recompute_granularity="selective"), "recompute_granularity='selective'"),
+    # ZBV's V: two chunks per rank, untied embeddings, no MTP, an even split over 2p stages
+    (dict(**V, virtual_pipeline_model_parallel_size=2), "untie_embeddings_and_output_weights"),
+    (dict(**V_UNTIED, virtual_pipeline_model_parallel_size=2, mtp_num_layers=1), "mtp_num_layers"),
+    (dict(**V_UNTIED, virtual_pipeline_model_parallel_size=4, num_layers=8), "vpp=4"),
+    (
+        {**V_UNTIED, "pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2},
+        "num_layers=4",
+    ),
+    (dict(pipeline_placement="zigzag"), "pipeline_placement"),
 ]
 
 
@@ -66,3 +77,26 @@ def test_te_linears_without_te_fail_or_fall_back_as_documented():
         TEColumnParallelLinear(8, 16, stride=2)
     with pytest.raises(TPConfigError, match="transformer-engine"):
         TELayerNormColumnParallelLinear(8, 16, config=TransformerConfig(**BASE))
+
+
+def test_v_placement_puts_the_first_and_the_last_stage_on_rank_0():
+    """What the HF converter (and the app) build per chunk: rank 0 chunk 0 has the
+    embedding and layer 0, rank 0 chunk 1 layer 3 and the output layer (pp 2, 4 layers)."""
+    from pentatron.models.hf.convert import stage_flags
+    from pentatron.models.transformer_block import get_layer_offset
+
+    config = TransformerConfig(**BASE, **V_UNTIED, virtual_pipeline_model_parallel_size=2)
+    got = {
+        (r, c): (stage_flags(config, r, c), get_layer_offset(config, r, c))
+        for r in range(2)
+        for c in range(2)
+    }
+    assert got == {
+        (0, 0): ((True, False), 0),
+        (1, 0): ((False, False), 1),
+        (1, 1): ((False, False), 2),
+        (0, 1): ((False, True), 3),
+    }
+    loop = TransformerConfig(**{**BASE, **V_UNTIED, "pipeline_placement": "loop"},
+                             virtual_pipeline_model_parallel_size=2)  # fmt: skip
+    assert stage_flags(loop, 1, 1) == (False, True) and get_layer_offset(loop, 0, 1) == 2

@@ -46,9 +46,34 @@ def test_uneven_first_last_and_embedding_loss_slots():
     assert _all_layers(layout) == list(range(6))
 
 
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_v_placement(p):
+    """ZBV's V, written out: rank r's chunk 0 holds layers 2r, 2r + 1 on the way down,
+    its chunk 1 the mirror on the way up; rank 0 the first and the last layers."""
+    L = 4 * p
+    layout = StageLayout(L, p, 2, placement="v")
+    for r in range(p):
+        assert layout.layers(r, 0) == range(2 * r, 2 * r + 2)
+        assert layout.layers(r, 1) == range(L - 2 * r - 2, L - 2 * r)
+        for c in range(2):
+            assert layout.position(layout.stage(r, c)) == (r, c)
+    # The embedding's and the loss's slots both fall on rank 0 (its two chunks).
+    slots = StageLayout(4 * p - 2, p, 2, placement="v", account_for_embedding=True,
+                        account_for_loss=True)  # fmt: skip
+    assert [slots.num_layers_to_build(0, c) for c in range(2)] == [1, 1]
+    assert [slots.num_layers_to_build(r, c) for r in range(1, p) for c in range(2)] == [2] * (
+        2 * p - 2
+    )
+    stages = [slots.layers(*slots.position(s)) for s in range(2 * p)]
+    assert [i for st in stages for i in st] == list(range(4 * p - 2))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
+        (dict(num_layers=8, pp=2, vpp=4, placement="v"), ["placement='v'", "vpp=4", "fix"]),
+        (dict(num_layers=8, pp=2, vpp=2, placement="v", first_stage_layers=2), ["even split"]),
+        (dict(num_layers=8, pp=2, placement="zig"), ["'loop'", "'v'"]),
         (dict(num_layers=10, pp=4), ["num_layers=10", "pp=4", "fix"]),
         (dict(num_layers=8, pp=2, vpp=3), ["vpp=3", "fix"]),
         (

@@ -561,7 +561,7 @@ def test_interleaved_stage_that_raises_fails_every_rank(distributed):
 @pytest.mark.parametrize(
     ("vpp", "schedule", "match"),
     [
-        (2, "zbv", "only it runs virtual stages"),
+        (3, "zbv", "two chunks per rank"),
         (None, "interleaved", "only it runs virtual stages"),
         (2, "zb-h1", "only it runs virtual stages"),
         (None, "gpipe", "one of 1f1b, interleaved, zb-h1, zbv"),

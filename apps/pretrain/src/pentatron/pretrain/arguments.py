@@ -180,7 +180,8 @@ def _parallel(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=["1f1b", "interleaved", "zb-h1", "zbv"],
         help="default: 1f1b, or interleaved with virtual stages (Megatron's choice); zb-h1: "
-        "zero-bubble H1 (backward split into input and weight gradients)",
+        "zero-bubble H1 (backward split into input and weight gradients); zbv: zero-bubble V "
+        "(two chunks per rank in a V; needs --untie-embeddings-and-output-weights)",
     )
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)

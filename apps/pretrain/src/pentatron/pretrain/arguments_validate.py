@@ -229,13 +229,8 @@ def _pipeline_schedule(args: argparse.Namespace) -> None:
     if pp == 1:
         _fail("pipeline-schedule", schedule, "a schedule needs pp > 1", "drop the flag")
     if schedule == "zbv":
-        _fail(
-            "pipeline-schedule",
-            schedule,
-            "ZBV runs as a table (pentatron-pipeline-timeline) but has no executor yet",
-            "use --pipeline-schedule zb-h1",
-        )
-    if (schedule == "interleaved") != (vpp is not None):
+        _zbv(args)
+    elif (schedule == "interleaved") != (vpp is not None):
         _fail(
             "pipeline-schedule",
             schedule,
@@ -243,7 +238,7 @@ def _pipeline_schedule(args: argparse.Namespace) -> None:
             "schedule runs virtual stages",
             "set virtual stages for interleaved, or drop them",
         )
-    if schedule != "zb-h1":
+    if schedule not in ("zb-h1", "zbv"):
         return
     refused = [
         ("use-torch-fsdp2", args.use_torch_fsdp2, "FSDP2 reduces grads in backward hooks"),
@@ -264,9 +259,59 @@ def _pipeline_schedule(args: argparse.Namespace) -> None:
             _fail(
                 flag,
                 args.transformer_impl if flag == "transformer-impl" else value,
-                f"with --pipeline-schedule zb-h1: {why}, which the schedule cannot defer",
+                f"with --pipeline-schedule {schedule}: {why}, which the schedule cannot defer",
                 f"drop {flag} or use --pipeline-schedule 1f1b",
             )
+
+
+def _zbv(args: argparse.Namespace) -> None:
+    """ZBV places two chunks per rank in a V (rank 0: the first and the last stage): the
+    model is built as two virtual stages (vpp 2, V placement), evenly split."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    refused = [
+        (
+            "virtual-pipeline-model-parallel-size",
+            args.virtual_pipeline_model_parallel_size,
+            "ZBV's two chunks per rank are its V, not interleaved virtual stages",
+            "drop the flag",
+        ),
+        (
+            "decoder-first-pipeline-num-layers",
+            args.decoder_first_pipeline_num_layers,
+            "the V splits the layers evenly over its 2p stages",
+            "drop the flag",
+        ),
+        (
+            "decoder-last-pipeline-num-layers",
+            args.decoder_last_pipeline_num_layers,
+            "the V splits the layers evenly over its 2p stages",
+            "drop the flag",
+        ),
+        (
+            "untie-embeddings-and-output-weights",
+            not args.untie_embeddings_and_output_weights,
+            "tied embeddings would sit in both chunks of rank 0",
+            "pass --untie-embeddings-and-output-weights",
+        ),
+        (
+            "mtp-num-layers",
+            args.mtp_num_layers,
+            "multi-token prediction shares the embedding across stages",
+            "drop the flag or use --pipeline-schedule 1f1b",
+        ),
+    ]
+    for flag, value, why, fix in refused:
+        if value:
+            shown = "unset" if flag == "untie-embeddings-and-output-weights" else value
+            _fail(flag, shown, f"with --pipeline-schedule zbv: {why}", fix)
+    if layers % (2 * pp):
+        _fail(
+            "num-layers",
+            layers,
+            f"with --pipeline-schedule zbv: the V has 2 x pp = {2 * pp} stages of equal size",
+            f"use a multiple of {2 * pp} layers",
+        )
+    args.virtual_pipeline_model_parallel_size = 2  # the model's two chunks per rank
 
 
 # Megatron's defaults of the MLA shape flags: set to anything else they need MLA.

@@ -148,6 +148,9 @@ class TransformerConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
+    # "loop": Megatron's round robin of virtual stages; "v": ZBV's V (two chunks per rank,
+    # chunk 1 of rank r is stage 2p - 1 - r, so rank 0 holds the first and the last stage)
+    pipeline_placement: str = "loop"
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
     # --- context parallelism (validated in config_checks.check_context_parallel) ---
@@ -415,6 +418,25 @@ class TransformerConfig:
         _positive_int("pipeline_model_parallel_size", self.pipeline_model_parallel_size)
         vpp = self.virtual_pipeline_model_parallel_size
         _positive_int("virtual_pipeline_model_parallel_size", vpp, optional=True)
+        _choice("pipeline_placement", self.pipeline_placement, ("loop", "v"))
+        if self.pipeline_placement == "v":
+            refused = (
+                (
+                    "untie_embeddings_and_output_weights",
+                    not self.untie_embeddings_and_output_weights,
+                    "rank 0 would hold the embedding and its tied copy in two chunks",
+                    "set untie_embeddings_and_output_weights=True",
+                ),
+                (
+                    "mtp_num_layers",
+                    self.mtp_num_layers,
+                    "multi-token prediction shares the embedding across stages",
+                    "set mtp_num_layers=None or use pipeline_placement='loop'",
+                ),
+            )
+            for name, bad, why, fix in refused:
+                if bad:
+                    _fail(name, getattr(self, name), f"with pipeline_placement='v': {why}", fix)
         try:
             self.stage_layout()
         except PipelineConfigError as exc:
@@ -433,6 +455,7 @@ class TransformerConfig:
             vpp=self.virtual_pipeline_model_parallel_size,
             first_stage_layers=self.num_layers_in_first_pipeline_stage,
             last_stage_layers=self.num_layers_in_last_pipeline_stage,
+            placement=self.pipeline_placement,
         )
 
     @property

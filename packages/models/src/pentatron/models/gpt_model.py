@@ -86,7 +86,9 @@ class GPTModel(torch.nn.Module):
         self.parallel = par = ModelParallel.resolve(config, grid, vp_stage)
         chunks = config.virtual_pipeline_model_parallel_size or 1
         self.pre_process = par.is_first_stage() if pre_process is None else pre_process
-        self.post_process = par.is_last_stage(chunks) if post_process is None else post_process
+        if post_process is None:
+            post_process = par.is_last_stage(chunks, config.pipeline_placement)
+        self.post_process = post_process
         # MTP sits on the last stage (Megatron's rule without a custom pipeline layout)
         self.mtp_process = bool(config.mtp_num_layers) and self.post_process
         self.mtp_report: list[torch.Tensor] = []

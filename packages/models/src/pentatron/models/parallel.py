@@ -97,7 +97,11 @@ class ModelParallel:
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0 and self.chunk == 0
 
-    def is_last_stage(self, chunks: int) -> bool:
+    def is_last_stage(self, chunks: int, placement: str = "loop") -> bool:
+        """The chunk holding the output layer and the loss: the last rank's last chunk, or
+        with the V placement (ZBV) rank 0's chunk 1."""
+        if placement == "v":
+            return self.pp_rank == 0 and self.chunk == 1
         return self.pp_rank == self.pp_size - 1 and self.chunk == chunks - 1
 
     def group(self, name: str) -> Any:

@@ -10,6 +10,10 @@ As in Megatron-LM (`get_num_layers_to_build`, `get_transformer_layer_offset`):
   decoder_first/last_pipeline_num_layers) fix the first / last rank, the rest is spread
   evenly over the middle ranks.
 Every impossible split raises `PipelineConfigError` naming the field, the rule and a fix.
+
+`placement="v"` (ZBV, two chunks per rank): chunk 0 of rank r is stage r and chunk 1 is
+stage 2p - 1 - r (`zero_bubble.v_stage`), so rank 0 holds the first and the last stage;
+layers still follow the stages, even split only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class StageLayout:
     last_stage_layers: int | None = None
     account_for_embedding: bool = False
     account_for_loss: bool = False
+    placement: str = "loop"  # "loop": Megatron's round robin; "v": ZBV's V (vpp 2)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp"):
@@ -35,6 +40,18 @@ class StageLayout:
         if self.vpp is not None:
             _check_int("vpp", self.vpp, minimum=1)
         uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
+        if self.placement not in ("loop", "v"):
+            raise PipelineConfigError(
+                f"placement={self.placement!r}: the rule: 'loop' (round robin) or 'v' (ZBV); "
+                "fix: use one of them"
+            )
+        if self.placement == "v" and (self.vpp != 2 or uneven):
+            raise PipelineConfigError(
+                f"placement='v' with vpp={self.vpp}, first_stage_layers="
+                f"{self.first_stage_layers}, last_stage_layers={self.last_stage_layers}: the "
+                "rule: the V has two chunks per rank and an even split; fix: vpp=2 and leave "
+                "the first/last stage sizes unset"
+            )
         if uneven and (self.account_for_embedding or self.account_for_loss):
             raise PipelineConfigError(
                 "first_stage_layers/last_stage_layers with account_for_embedding/"
@@ -112,21 +129,37 @@ class StageLayout:
         middle = self.pp - (first is not None) - (last is not None)
         return (self.num_layers - (first or 0) - (last or 0)) // middle
 
+    def stage(self, pp_rank: int, chunk: int = 0) -> int:
+        """The virtual stage of chunk `chunk` of pipeline rank `pp_rank` (0: the embedding,
+        p * chunks - 1: the loss)."""
+        self._check_position(pp_rank, chunk)
+        if self.placement == "v":
+            return pp_rank if chunk == 0 else 2 * self.pp - 1 - pp_rank
+        return chunk * self.pp + pp_rank
+
+    def position(self, stage: int) -> tuple[int, int]:
+        """(pp_rank, chunk) holding virtual stage `stage`: the inverse of `stage`."""
+        if not 0 <= stage < self.pp * self.chunks:
+            raise ValueError(f"stage={stage} outside pp={self.pp} x chunks={self.chunks}")
+        chunk, rank = divmod(stage, self.pp)
+        if self.placement == "v" and chunk == 1:
+            rank = self.pp - 1 - rank
+        return rank, chunk
+
     def num_layers_to_build(self, pp_rank: int, chunk: int = 0) -> int:
         """Transformer layers of chunk `chunk` on pipeline rank `pp_rank`."""
-        self._check_position(pp_rank, chunk)
+        stage = self.stage(pp_rank, chunk)
         n = self._rank_slots(pp_rank) // self.chunks
-        if self.account_for_embedding and pp_rank == 0 and chunk == 0:
+        if self.account_for_embedding and stage == 0:
             n -= 1
-        if self.account_for_loss and pp_rank == self.pp - 1 and chunk == self.chunks - 1:
+        if self.account_for_loss and stage == self.pp * self.chunks - 1:
             n -= 1
         return n
 
     def layer_offset(self, pp_rank: int, chunk: int = 0) -> int:
         """Global index of the first layer of that chunk (layers follow virtual stages)."""
-        self._check_position(pp_rank, chunk)
-        stage = chunk * self.pp + pp_rank
-        return sum(self.num_layers_to_build(s % self.pp, s // self.pp) for s in range(stage))
+        stage = self.stage(pp_rank, chunk)
+        return sum(self.num_layers_to_build(*self.position(s)) for s in range(stage))
 
     def layers(self, pp_rank: int, chunk: int = 0) -> range:
         start = self.layer_offset(pp_rank, chunk)

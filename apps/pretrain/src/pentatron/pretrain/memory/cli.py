@@ -125,11 +125,12 @@ def _validated(
             "fix: size the run with --use-distributed-optimizer (FSDP2 holds less: params and "
             "grads are sharded over dp too)"
         )
-    if args.pipeline_schedule == "zb-h1":
+    if args.pipeline_schedule in ("zb-h1", "zbv"):
         raise MemoryPlanError(
-            "--pipeline-schedule zb-h1: the weight-gradient store (each linear's input and "
-            "output grad, for up to r + 1 micro-batches on pipeline rank r) is not sized yet; "
-            "fix: size the run with 1f1b (the same micro-batches in flight) and add the store"
+            f"--pipeline-schedule {args.pipeline_schedule}: the weight-gradient store (each "
+            "linear's input and output grad, for the micro-batches whose W is deferred) is "
+            "not sized yet; fix: size the run with 1f1b (the same activation memory: "
+            "zero-bubble schedules keep 1F1B's micro-batches in flight) and add the store"
         )
     if args.train_iters is None and args.train_samples is None:
         args.train_iters = 1

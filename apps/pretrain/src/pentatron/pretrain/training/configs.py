@@ -80,6 +80,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        pipeline_placement="v" if getattr(args, "pipeline_schedule", None) == "zbv" else "loop",
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,

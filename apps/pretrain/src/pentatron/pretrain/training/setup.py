@@ -71,10 +71,15 @@ def set_matmul_precision(grid: ProcessGrid, no_bf16_reduced_reduction: bool = Fa
         )
 
 
-def stage_flags(grid: ProcessGrid, vp_stage: int | None, vpp: int | None) -> tuple[bool, bool]:
-    """(pre_process, post_process) of virtual stage `vp_stage` on this pipeline rank."""
+def stage_flags(
+    grid: ProcessGrid, vp_stage: int | None, vpp: int | None, placement: str = "loop"
+) -> tuple[bool, bool]:
+    """(pre_process, post_process) of chunk `vp_stage` on this pipeline rank; with the V
+    placement (ZBV) rank 0's chunk 1 is the last stage."""
     pp_rank, pp = grid.rank("pp"), grid.size("pp")
     first = pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+    if placement == "v":
+        return first, pp_rank == 0 and vp_stage == 1
     last = pp_rank == pp - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
     return first, last
 
@@ -88,7 +93,8 @@ def get_model(
     stages = [None] if vpp is None else list(range(vpp))
     chunks = []
     for stage in stages:
-        pre, post = stage_flags(grid, stage, vpp)
+        placement = "v" if getattr(args, "pipeline_schedule", None) == "zbv" else "loop"
+        pre, post = stage_flags(grid, stage, vpp, placement)
         model = model_provider(pre, post, vp_stage=stage)
         init_weights_layout_independent(model, args.seed)
         if args.compile:  # in place, before the data-parallel wrapper (see compile.py)

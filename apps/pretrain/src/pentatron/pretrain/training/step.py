@@ -44,14 +44,32 @@ class StepOutput:
     mtp_losses: dict[str, float | None] | None = None  # "mtp_<k> loss" -> mean (last stage)
 
 
-def _loss_pair(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> torch.Tensor | None:
+def _loss_pair(
+    reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid, zbv: bool = False
+) -> torch.Tensor | None:
     """(loss sum, token count) of the micro-batches, summed over dp: float64 `[2]` on the
-    device (no host read), or None where no loss was computed (not the last stage)."""
-    if not reduced:
-        return None
-    total = torch.stack([r["lm loss"] for r in reduced]).sum(0).double()
-    comm.all_reduce(total, group=grid.group("dp"))
-    return total
+    device (no host read), on the last pipeline rank; None elsewhere. `zbv`: the loss was
+    computed on pipeline rank 0 (the V's last stage) and is moved to the last rank, where
+    the logger and every caller read it for all schedules (collective over pp)."""
+    total = None
+    if reduced:
+        total = torch.stack([r["lm loss"] for r in reduced]).sum(0).double()
+        comm.all_reduce(total, group=grid.group("dp"))
+    return _to_last_pipeline_rank(total, grid) if zbv else total
+
+
+def _to_last_pipeline_rank(total: torch.Tensor | None, grid: ProcessGrid) -> torch.Tensor | None:
+    """Pipeline rank 0's `[2]` pair, on the last pipeline rank (one broadcast over pp)."""
+    ranks, me = grid.ranks("pp"), grid.rank("pp")
+    if me == 0 and total is None:
+        raise RuntimeError("ZBV: pipeline rank 0 (the V's last stage) computed no loss")
+    buf = total if me == 0 else torch.empty(2, dtype=torch.float64, device=grid.device)
+    comm.broadcast(buf, src=ranks[0], group=grid.group("pp"))
+    return buf if me == len(ranks) - 1 else None
+
+
+def is_zbv(args) -> bool:
+    return getattr(args, "pipeline_schedule", None) == "zbv"
 
 
 def _mtp_pairs(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> torch.Tensor | None:
@@ -73,9 +91,12 @@ def _mean(pair: list[float] | None) -> float | None:
     return None if pair is None else pair[0] / max(pair[1], 1.0)
 
 
-def reduce_losses(reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid) -> float | None:
-    """Per-token mean of the micro-batches' (loss sum, tokens) pairs over dp, or None."""
-    pair = _loss_pair(reduced, grid)
+def reduce_losses(
+    reduced: list[dict[str, torch.Tensor]], grid: ProcessGrid, zbv: bool = False
+) -> float | None:
+    """Per-token mean of the micro-batches' (loss sum, tokens) pairs over dp on the last
+    pipeline rank, or None."""
+    pair = _loss_pair(reduced, grid, zbv)
     return _mean(None if pair is None else pair.tolist())
 
 
@@ -125,7 +146,7 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
     hooks: dict[str, Any] = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize}
     if getattr(args, "num_experts", None) or getattr(args, "mtp_num_layers", None):
         hooks["aux_loss_scale_func"] = aux_loss_scale_func(grid)
-    if getattr(args, "pipeline_schedule", None) == "zb-h1":
+    if getattr(args, "pipeline_schedule", None) in ("zb-h1", "zbv"):
         hooks["weight_grad_store"] = WeightGradStore()
     if args.overlap_grad_reduce:
         hooks["grad_sync_func"] = [lambda params, c=c: c.start_grad_sync() for c in chunks]
@@ -183,7 +204,7 @@ def train_step(
         c.zero_grad_buffer()
     reduced = run_schedule(args, chunks, iterators, forward_step, pcfg, grid, num_microbatches)
     flags = _nonfinite_flags(reduced, chunks, grid, args.check_for_nan_in_loss_and_grad)
-    pair, mtp = _loss_pair(reduced, grid), _mtp_pairs(reduced, grid)
+    pair, mtp = _loss_pair(reduced, grid, is_zbv(args)), _mtp_pairs(reduced, grid)
     # The step's one host read before the optimizer (which reads the grad norm).
     parts = [flags] + ([] if pair is None else [pair]) + ([] if mtp is None else [mtp.flatten()])
     host = torch.cat(parts).tolist()
@@ -257,4 +278,4 @@ def evaluate(
         for c in chunks:
             c.train()
             c.reshard()  # FSDP2: back to this rank's shards (no backward resharded them)
-    return reduce_losses(reduced, grid)
+    return reduce_losses(reduced, grid, is_zbv(args))

@@ -172,12 +172,11 @@ def load_hf_checkpoint_shard(
 
 
 def stage_flags(config: TransformerConfig, pp_rank: int, vp_stage: int | None) -> tuple[bool, bool]:
-    """(pre_process, post_process) of chunk `vp_stage` of pipeline rank `pp_rank`."""
-    chunks = config.virtual_pipeline_model_parallel_size or 1
-    chunk = vp_stage or 0
-    first = pp_rank == 0 and chunk == 0
-    last = pp_rank == config.pipeline_model_parallel_size - 1 and chunk == chunks - 1
-    return first, last
+    """(pre_process, post_process) of chunk `vp_stage` of pipeline rank `pp_rank`: the first
+    and the last virtual stage of the config's placement (loop or V)."""
+    layout = config.stage_layout()
+    stage = layout.stage(pp_rank, vp_stage or 0)
+    return stage == 0, stage == layout.pp * layout.chunks - 1
 
 
 def hf_shard_state_dict(

@@ -22,14 +22,20 @@ def get_forward_backward_func(
     """pp == 1: no pipelining; pp > 1: `schedule`, by default (None) 1F1B when vpp is None
     and interleaved when it is set, as Megatron-LM picks. A schedule that does not fit vpp
     raises PipelineConfigError before anything runs (ZBV's two chunks per rank are its
-    own V, not virtual stages: vpp None)."""
+    V: vpp None or 2)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise PipelineConfigError(f"schedule={schedule!r}: the rule: one of {', '.join(SCHEDULES)}")
     if pp == 1:
         return forward_backward_no_pipelining
     if schedule is None:
         schedule = "1f1b" if vpp is None else "interleaved"
-    if (schedule == "interleaved") != (vpp is not None):
+    if schedule == "zbv":
+        if vpp not in (None, 2):
+            raise PipelineConfigError(
+                f"schedule='zbv' with vpp={vpp}: the rule: ZBV runs two chunks per rank (its "
+                "V); fix: vpp=None or 2"
+            )
+    elif (schedule == "interleaved") != (vpp is not None):
         raise PipelineConfigError(
             f"schedule={schedule!r} with vpp={vpp}: the rule: the interleaved schedule and only "
             "it runs virtual stages; fix: set vpp for 'interleaved', or vpp=None for "
