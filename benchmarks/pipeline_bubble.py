@@ -36,6 +36,7 @@ MEASURED = (
     (2, None, 8, "zb-h1"),
     (2, None, 8, "zbv"),
     (4, None, 8, "1f1b"),
+    (4, 2, 8, "interleaved"),
     (4, None, 8, "zb-h1"),
     (4, None, 8, "zbv"),
 )

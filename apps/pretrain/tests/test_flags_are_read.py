@@ -255,7 +255,7 @@ def test_no_check_for_nan_in_loss_and_grad_skips_the_grad_check(monkeypatch, che
     monkeypatch.setattr(
         step, "run_schedule", lambda *a, **kw: [{"lm loss": torch.tensor([2.0, 1.0])}]
     )
-    monkeypatch.setattr(step, "_loss_pair", lambda reduced, grid: None)
+    monkeypatch.setattr(step, "_loss_pair", lambda reduced, grid, zbv=False: None)
     args = _args(*([] if check else ["--no-check-for-nan-in-loss-and-grad"]))
     chunk = _Chunk(torch.tensor([1.0, float("nan")]))
     chunk.zero_grad_buffer = lambda: None

@@ -147,3 +147,64 @@ def _case(sp, fuse):
 @pytest.mark.parametrize("fuse", [False, True], ids=["grad", "fused-main-grad"])
 def test_split_backward_matches_undivided(distributed, sp, fuse):
     assert distributed.run(2, _case, sp, fuse) == [True, True]
+
+
+# --- the embedding and the norms ---------------------------------------------------------
+
+
+def _embed_and_norm(group, zero_centered):
+    """Vocabulary-parallel embedding (tp2: each rank owns half the rows) -> RMSNorm ->
+    LayerNorm (weight and bias), fp64."""
+    from pentatron.tp_layers import VocabParallelEmbedding
+
+    torch.manual_seed(5)
+    emb = VocabParallelEmbedding(
+        16, H, tp_group=group, init_method=init_method_normal(1.0), params_dtype=torch.float64
+    )
+    ln = torch.nn.ParameterDict(
+        {
+            "rms": torch.nn.Parameter(torch.linspace(0.5, 1.5, H, dtype=torch.float64)),
+            "ln_w": torch.nn.Parameter(torch.linspace(-0.3, 0.7, H, dtype=torch.float64)),
+            "ln_b": torch.nn.Parameter(torch.linspace(0.2, -0.2, H, dtype=torch.float64)),
+        }
+    )
+    return torch.nn.ModuleDict({"emb": emb, "ln": ln}), zero_centered
+
+
+def _forward(model, ids):
+    from pentatron.tp_layers import layer_norm, rms_norm
+
+    model, zc = model
+    p = model["ln"]
+    h = rms_norm(model["emb"](ids), p["rms"], 1e-6, zc)
+    return layer_norm(h, p["ln_w"], p["ln_b"], 1e-5, zc)
+
+
+def _embedding_norm_case(zero_centered):
+    group = dist.group.WORLD
+    ref, split = _embed_and_norm(group, zero_centered), _embed_and_norm(group, zero_centered)
+    batches = []
+    for k in range(2):
+        g = torch.Generator().manual_seed(20 + k)
+        batches.append((torch.randint(0, 16, (B, S), generator=g),
+                        torch.randn(B, S, H, generator=g, dtype=torch.float64)))  # fmt: skip
+    for ids, dy in batches:
+        _forward(ref, ids).backward(dy)
+    store = WeightGradStore()
+    for ids, dy in batches:
+        with store.defer():
+            _forward(split, ids).backward(dy)
+        store.close_group()
+    # B only: no gradient on the table or the norms' weights; W holds ids, x's and dY's.
+    assert all(p.grad is None for p in split[0].parameters())
+    assert store.pending_bytes() > 0
+    store.run_all()
+    for (name, want), got in zip(ref[0].named_parameters(), split[0].parameters()):
+        assert want.grad is not None and got.grad is not None, name
+        assert torch.equal(got.grad, want.grad), name  # bitwise
+    return True
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centered-gamma"])
+def test_embedding_and_norm_weight_grads_defer_bitwise(distributed, zero_centered):
+    assert distributed.run(2, _embedding_norm_case, zero_centered) == [True, True]

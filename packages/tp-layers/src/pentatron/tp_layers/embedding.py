@@ -6,6 +6,10 @@ the others, and the partial embeddings are summed over tp:
     ids [b, s] -> local lookup, foreign ids masked -> partial [b, s, h]
       -> all-reduce(tp) -> [b, s, h]
       or (reduce_scatter_embeddings) transpose -> [s, b, h] -> reduce-scatter(tp) -> [s/t, b, h]
+
+The lookup's backward is autograd's own (`embedding_dense_backward`, the table's gradient
+from the ids and the output gradient `[b, s, h]`), run now or, inside a zero-bubble
+schedule's B (`WeightGradStore.defer()`), queued as part of the micro-batch's W.
 """
 
 from __future__ import annotations
@@ -56,6 +60,35 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
             f"every id indexes a row of the (padded) vocabulary; fix: check the tokenizer's "
             f"vocab size against the model's vocabulary size {vocab_size}"
         )
+
+
+class _Lookup(torch.autograd.Function):
+    """`F.embedding(ids, weight)` whose weight gradient can be deferred to a W."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
+        from .layers.weight_grad_store import DeferredWeightGrad, deferring_store
+
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+
+        def weight_grad() -> torch.Tensor:  # autograd's formula for F.embedding's weight
+            return torch.ops.aten.embedding_dense_backward(grad, ids, weight.size(0), -1, False)
+
+        store = deferring_store()
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        if store is None:
+            return None, weight_grad()
+        nbytes = sum(t.numel() * t.element_size() for t in (ids, grad))
+        store.push(DeferredWeightGrad(lambda: [(weight, weight_grad())], nbytes))
+        return None, None
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -117,7 +150,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             local_ids = (ids - self.vocab_start_index).masked_fill(foreign, 0)
         else:
             foreign, local_ids = None, ids
-        partial = F.embedding(local_ids, self.weight)
+        partial = _Lookup.apply(local_ids, self.weight)
         if foreign is not None:
             partial = partial.masked_fill(foreign.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:

@@ -12,6 +12,11 @@ here backward recomputes the fp32 normalised input from `x` and the statistics, 
 The forward is the plain-autograd formula op for op, so outputs are bitwise unchanged.
 Double backward is out of scope: a backward run with `create_graph=True` raises.
 
+Inside a zero-bubble schedule's B (`WeightGradStore.defer()`) backward returns only the
+input gradient and queues the weight (and bias) gradient as part of the micro-batch's W,
+holding `x`, the statistics and the output gradient; the W computes it with the same
+formula (LayerNorm: the same kernel), so the numbers are those of an undivided backward.
+
 `zero_centered_gamma=True` (Megatron's `layernorm_zero_centered_gamma`, `--apply-layernorm-1p`;
 transformer-engine's `zero_centered_gamma`): the stored weight `w` is zero-centred and the
 norm scales by `1 + w`, formed in fp32 (as TE's kernels): RMSNorm returns
@@ -21,6 +26,7 @@ the effective gamma `1 + w`. Modules holding such a weight initialise it to 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +62,20 @@ def _refuse_double_backward(name: str) -> None:
         )
 
 
+def _defer(weight_grads: Callable[[], list], held: tuple[torch.Tensor, ...]) -> bool:
+    """Inside a zero-bubble schedule's B (`WeightGradStore.defer()`): queue `weight_grads`
+    (its (param, grad) pairs) as part of the micro-batch's W, keeping `held`; True if
+    queued, False outside a B (compute them now)."""
+    # Imported here: the layers package imports this module (the fused norm + linear).
+    from .layers.weight_grad_store import DeferredWeightGrad, deferring_store
+
+    store = deferring_store()
+    if store is None:
+        return False
+    store.push(DeferredWeightGrad(weight_grads, sum(t.numel() * t.element_size() for t in held)))
+    return True
+
+
 def _gamma(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     """The fp32 scale a norm applies: `1 + weight` when zero-centred, else `weight`."""
     return weight.float() + 1.0 if zero_centered else weight.float()
@@ -86,7 +106,13 @@ class _RMSNorm(torch.autograd.Function):
             # d/dx of x * rstd(x): rstd * (dn - n * mean(dn * n)) over the last dim
             dx = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _row_sum(g * n).to(weight.dtype)
+
+            def weight_grad() -> torch.Tensor:  # from x, rstd and grad (a deferred W's hold)
+                n = x.to(torch.float32) * rstd
+                return _row_sum(grad.to(torch.float32) * n).to(weight.dtype)
+
+            if not _defer(lambda: [(weight, weight_grad())], (x, rstd, grad)):
+                dw = weight_grad()
         return dx, dw, None, None
 
 
@@ -116,17 +142,31 @@ class _LayerNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         _refuse_double_backward("layer_norm")
         x, mean, rstd, weight, bias = ctx.saved_tensors
+        zero_centered = ctx.zero_centered
         mask = list(ctx.needs_input_grad[:3])
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            grad.to(torch.float32),
-            x.to(torch.float32),
-            (weight.numel(),),
-            mean,
-            rstd,
-            _gamma(weight, ctx.zero_centered),
-            bias.float(),  # unused, but the kernel shapes dbias after it
-            mask,
-        )
+
+        def kernel(mask: list[bool]) -> tuple:
+            return torch.ops.aten.native_layer_norm_backward(
+                grad.to(torch.float32),
+                x.to(torch.float32),
+                (weight.numel(),),
+                mean,
+                rstd,
+                _gamma(weight, zero_centered),
+                bias.float(),  # unused, but the kernel shapes dbias after it
+                mask,
+            )
+
+        want_w, want_b = mask[1], mask[2]
+
+        def weight_grads() -> list:  # a deferred W: dw and db from the same kernel
+            _, dw, db = kernel([False, want_w, want_b])
+            pairs = ((weight, dw, want_w), (bias, db, want_b))
+            return [(p, g.to(p.dtype)) for p, g, wanted in pairs if wanted]
+
+        if (want_w or want_b) and _defer(weight_grads, (x, mean, rstd, grad)):
+            mask = [mask[0], False, False]
+        dx, dw, db = kernel(mask)
         dx = dx.to(x.dtype) if mask[0] else None
         dw = dw.to(weight.dtype) if mask[1] else None
         db = db.to(bias.dtype) if mask[2] else None
