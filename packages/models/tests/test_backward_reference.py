@@ -22,7 +22,9 @@ its weight's layout) must equal the HF model's `.grad`, per tensor
   finalised like DDP: dense grads all-reduced over dp, expert grads over edp, both divided
   by dp). The load-balancing losses are off on both sides so the two losses are
   the same function: HF `router_aux_loss_coef=0`, `output_router_logits=False`; ours
-  `moe_aux_loss_coeff=0`, no z-loss.
+  `moe_aux_loss_coeff=0`, no z-loss;
+- Qwen2-MoE: `Qwen2MoeForCausalLM` (q/k/v biases, 4 experts top-2 softmax without
+  renormalising the top-k, a shared expert behind a sigmoid gate) at ep2-tp2-sp, as above.
 
 Loss: ours is the per-token cross-entropy `[b, s]` of logits at position t against
 labels[t] (Megatron: labels come already shifted), averaged over the b*s tokens. HF gets
@@ -33,7 +35,9 @@ which HF's does not have, and the losses would differ.
 
 Measured 2026-12-05 (torch 2.13 CPU, transformers 5.25), worst rel error over the tensors:
 dense tp2-pp2-sp 9.5e-7 (q_proj), q/k norm one process 6.3e-7 / tp2-pp2-sp 3.5e-6
-(q_norm), MoE ep2-tp2-sp 8.8e-7; tolerance 1e-5. A planted bug (the sequence-parallel
+(q_norm), MoE ep2-tp2-sp 8.8e-7; Qwen2-MoE ep2-tp2-sp 1.1e-6 (k_proj.bias, 2026-12-06;
+with the shared-expert gate's sequence-parallel tag removed by hand, its two gate weights
+fail at 0.89 and 1.05); tolerance 1e-5. A planted bug (the sequence-parallel
 all-reduce of the norm grads dropped, `unittest.mock.patch` in the ranks) fails the
 comparison on exactly the norm weights (worst 0.63). All ranks' runs happen in one
 `distributed.run` on world 4.
@@ -151,6 +155,25 @@ def hf_mixtral():
         output_router_logits=False,
     )
     return _random(transformers.MixtralForCausalLM(config))
+
+
+def hf_qwen2_moe():
+    """Qwen2-MoE: q/k/v biases, 4 experts top-2 softmax without renormalising the top-k, a
+    shared expert behind a sigmoid gate."""
+    torch.manual_seed(4)
+    config = transformers.Qwen2MoeConfig(
+        **_COMMON,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+    )
+    return _random(transformers.Qwen2MoeForCausalLM(config))
 
 
 def batch():
@@ -293,13 +316,14 @@ def _moe_rank(state, hf_config):
         destroy_model_parallel(grid)
 
 
-def _world4(llama, qk, moe, deepseek):
+def _world4(llama, qk, moe, deepseek, qwen2_moe):
     return {
         "llama": _llama_rank(*llama, plant=False),
         "llama-planted": _llama_rank(*llama, plant=True),
         "qk": _qk_rank(*qk),
         "moe": _moe_rank(*moe),
         "deepseek": _moe_rank(*deepseek),
+        "qwen2_moe": _moe_rank(*qwen2_moe),
     }
 
 
@@ -355,6 +379,7 @@ def _merge(results: list[dict], strict: bool = True) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def world4(distributed):
     llama, qwen, mixtral, deepseek = hf_llama(), hf_qwen3(), hf_mixtral(), hf_deepseek_v3()
+    qwen2_moe = hf_qwen2_moe()
     qk_config, qk_state = qwen3_as_ours(qwen)
     per_rank = distributed.run(
         4,
@@ -363,9 +388,10 @@ def world4(distributed):
         (qk_state, qk_config),
         (mixtral.state_dict(), mixtral.config.to_dict()),
         (deepseek.state_dict(), deepseek.config.to_dict()),
+        (qwen2_moe.state_dict(), qwen2_moe.config.to_dict()),
     )
     refs = {"llama": hf_grads(llama), "qwen3": hf_grads(qwen), "mixtral": hf_grads(mixtral)}
-    refs["deepseek"] = hf_grads(deepseek)
+    refs["deepseek"], refs["qwen2_moe"] = hf_grads(deepseek), hf_grads(qwen2_moe)
     return {**refs, "qk_config": qk_config}, per_rank
 
 
@@ -428,3 +454,11 @@ def test_deepseek_v3_grads_ep2_tp2_sp_match_transformers(world4):
     for r in per_rank:  # the export also carries the bias buffer: it has no gradient
         grads = {k: v for k, v in r["deepseek"].items() if "e_score_correction_bias" not in k}
         compare(grads, refs["deepseek"])
+
+
+def test_qwen2_moe_grads_ep2_tp2_sp_match_transformers(world4):
+    """q/k/v biases, softmax top-2 without renormalisation, the shared expert and its
+    sigmoid gate: every gradient against Qwen2MoeForCausalLM's."""
+    refs, per_rank = world4
+    for r in per_rank:
+        compare(r["qwen2_moe"], refs["qwen2_moe"])
