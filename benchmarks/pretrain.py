@@ -227,7 +227,7 @@ def our_side(args: argparse.Namespace, batches) -> tuple[Any, Any, Any, Any]:
     provider = partial(model_provider, app, grid, args.vocab_size)
     chunks, optimizer, _scheduler = setup_model_and_optimizer(provider, app, grid)
     forward_step = make_forward_step(grid, app.micro_batch_size, app.seq_length)
-    pcfg = make_pipeline_config(app, chunks, grid, configs.pipeline_config)
+    pcfg = make_pipeline_config(app, chunks, grid, configs.pipeline_config, optimizer)
     iterators = [cycle(batches)]
     m = app.global_batch_size // app.micro_batch_size
 

@@ -321,3 +321,20 @@ def test_pipeline_schedule_default_and_transformer_engine():
     te = [*pp2, "--pipeline-schedule", "zb-h1", "--transformer-impl", "transformer_engine"]
     with pytest.raises(ArgumentError, match=r"^--transformer-impl=transformer_engine: .*zb-h1"):
         validate_args(parse_args(BASE + te), 2, cuda=True, have_te=True)
+
+
+@pytest.mark.parametrize(
+    "extra, checked",
+    [
+        ([], True),
+        (["--fp16"], False),  # dynamic loss scaling: an overflow skips the step (Megatron)
+        (["--fp16", "--loss-scale", "1024"], True),  # a constant scale cannot back off
+        (["--fp16", "--no-check-for-nan-in-loss-and-grad"], False),
+        (["--bf16"], True),
+    ],
+)
+def test_fp16_runs_on_cpu_and_dynamic_scaling_turns_the_grad_check_off(extra, checked):
+    args = validate_args(parse_args(BASE + extra), 1, cuda=False)
+    assert args.check_for_nan_in_loss_and_grad is checked
+    noted = any("dynamic loss scaling" in n for n in args.startup_notes)
+    assert noted == (extra == ["--fp16"])  # said once, where the rule changed the flag

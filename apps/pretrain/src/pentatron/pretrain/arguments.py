@@ -347,7 +347,8 @@ def _training(p: argparse.ArgumentParser) -> None:
         "--no-check-for-nan-in-loss-and-grad",
         dest="check_for_nan_in_loss_and_grad",
         action="store_false",
-        help="skip the per-step finiteness check of the grads (the loss is always checked)",
+        help="skip the per-step finiteness check of the grads (the loss is always checked); "
+        "--fp16 with dynamic loss scaling turns it off, as Megatron does",
     )
     g.add_argument(
         "--on-nan-loss",

@@ -535,6 +535,14 @@ def _training_length(args: argparse.Namespace) -> None:
 def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> None:
     if args.fp16 and args.bf16:
         _fail("fp16", True, "--fp16 and --bf16 are exclusive", "pass one")
+    if args.fp16 and args.loss_scale is None and args.check_for_nan_in_loss_and_grad:
+        # As Megatron: under dynamic loss scaling an Inf/NaN grad is an overflow the
+        # optimizer answers by skipping the step and backing off the scale, not an error.
+        args.check_for_nan_in_loss_and_grad = False
+        args.startup_notes.append(
+            "--fp16 with dynamic loss scaling: the grads' NaN/Inf check is off (an overflow "
+            "skips the step and halves the loss scale, as in Megatron); the loss is still checked"
+        )
     if args.transformer_impl == "transformer_engine" and not (cuda and have_te):
         why = "no CUDA device" if not cuda else "transformer-engine is not installed"
         if args.fp8_format:
@@ -589,13 +597,6 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> N
         )
     if args.device == "cuda" and not cuda:
         _fail("device", "cuda", "torch sees no CUDA device here", "use --device cpu or auto")
-    if args.fp16 and not cuda:
-        _fail(
-            "fp16",
-            True,
-            "fp16 training needs CUDA (CPU kernels are bf16/fp32)",
-            "use --bf16 or fp32 on CPU",
-        )
 
 
 def _cuda_graph(args: argparse.Namespace) -> None:

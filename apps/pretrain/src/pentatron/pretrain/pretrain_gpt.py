@@ -187,7 +187,7 @@ def pretrain(
         optimizer=optimizer,
         scheduler=scheduler,
         forward_step=forward_step,
-        pcfg=make_pipeline_config(args, chunks, grid, configs.pipeline_config),
+        pcfg=make_pipeline_config(args, chunks, grid, configs.pipeline_config, optimizer),
         train_iters=build_iterators(train_factory, args, grid),
         valid_iters=build_iterators(valid_factory, args, grid) if valid_factory else None,
         test_iters=build_iterators(test_factory, args, grid) if test_factory else None,

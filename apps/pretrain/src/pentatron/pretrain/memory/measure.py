@@ -166,7 +166,7 @@ def measure(argv: list[str]) -> MeasuredMemory:
             finally:
                 ledger.in_forward = False
 
-        pcfg = step.make_pipeline_config(args, chunks, grid, configs.pipeline_config)
+        pcfg = step.make_pipeline_config(args, chunks, grid, configs.pipeline_config, optimizer)
         with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
             step.train_step(
                 args, chunks, iters, forward_step, optimizer, pcfg, grid, args.num_microbatches

@@ -50,6 +50,8 @@ class TrainState:
     grad_norms: list[float | None] = field(default_factory=list)
     # per iteration with --mtp-num-layers: "mtp_<k> loss" -> value (last stage), else None
     mtp_losses: list[dict[str, float | None] | None] = field(default_factory=list)
+    # per iteration with --fp16: the loss scale after the step (as logged), else None
+    loss_scales: list[float | None] = field(default_factory=list)
     exit_reason: str = ""
 
 
@@ -145,13 +147,16 @@ class Trainer:
         state.losses.append(out.loss)
         state.grad_norms.append(out.grad_norm)
         state.mtp_losses.append(out.mtp_losses)
+        # Logged as Megatron logs it: the optimizer's scale after this step's update
+        scale = self.optimizer.get_loss_scale()
+        state.loss_scales.append(scale if args.fp16 else None)
         self.logger.log_train(
             state.iteration,
             {
                 "lm loss": out.loss if out.loss is not None else float("nan"),
                 "lr": _logged_lr(self.optimizer.param_groups),
                 "grad_norm": out.grad_norm,
-                "loss_scale": out.loss_scale if out.loss_scale is not None else 1.0,
+                "loss_scale": scale,
                 "num_zeros": out.num_zeros,
                 "skipped": 0 if out.update_successful else 1,
                 "nan": 0 if out.finite else 1,

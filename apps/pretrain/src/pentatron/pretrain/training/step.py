@@ -39,7 +39,6 @@ class StepOutput:
     update_successful: bool
     grad_norm: float | None
     num_zeros: int | None
-    loss_scale: float | None
     moe_losses: dict[str, list[float]] | None = None  # name -> per-layer value (MoE only)
     mtp_losses: dict[str, float | None] | None = None  # "mtp_<k> loss" -> mean (last stage)
 
@@ -119,9 +118,12 @@ def aux_loss_scale_func(grid: ProcessGrid) -> Callable[[torch.Tensor], None]:
     return lambda scale: set_aux_loss_scale(scale * cp)
 
 
-def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> PipelineConfig:
+def make_pipeline_config(
+    args, chunks, grid: ProcessGrid, make: Callable, optimizer: Any
+) -> PipelineConfig:
     """The schedule's hooks wired to DDP: no_sync on every chunk, overlap-started grad sync,
-    finalize (with per-token scaling when --calculate-per-token-loss)."""
+    finalize (with per-token scaling when --calculate-per-token-loss), and with --fp16 the
+    optimizer's loss scale on the loss before backward (the optimizer divides it out)."""
 
     @contextlib.contextmanager
     def no_sync():
@@ -148,6 +150,8 @@ def make_pipeline_config(args, chunks, grid: ProcessGrid, make: Callable) -> Pip
         hooks["aux_loss_scale_func"] = aux_loss_scale_func(grid)
     if getattr(args, "pipeline_schedule", None) in ("zb-h1", "zbv"):
         hooks["weight_grad_store"] = WeightGradStore()
+    if args.fp16:
+        hooks["grad_scale_func"] = optimizer.scale_loss
     if args.overlap_grad_reduce:
         hooks["grad_sync_func"] = [lambda params, c=c: c.start_grad_sync() for c in chunks]
     return make(args, **hooks)
@@ -219,7 +223,7 @@ def train_step(
     moe = _moe_losses(args, chunks, grid)
     if not finite:
         _expert_bias_step(args, chunks, grid, applied=False)
-        return StepOutput(loss, False, False, None, None, None, moe, mtp_losses)
+        return StepOutput(loss, False, False, None, None, moe, mtp_losses)
     result = optimizer.step()
     _expert_bias_step(args, chunks, grid, applied=result.update_successful)
     return StepOutput(
@@ -228,7 +232,6 @@ def train_step(
         result.update_successful,
         result.grad_norm,
         result.num_zeros_in_grad,
-        result.loss_scale,
         moe,
         mtp_losses,
     )
