@@ -118,3 +118,18 @@ def test_sharded_load_tp2_pp2_matches_single_process(distributed, tmp_path, tied
         assert set(res["hf_all"]) == set(ref)
         for name, t in ref.items():
             assert torch.equal(res["hf_all"][name], t), name
+
+
+def test_pipeline_gather_hands_collectives_device_tensors():
+    """`to_hf(gather_pipeline=True)`'s broadcasts run on the grid's device, which under NCCL
+    is the GPU: on the fake device (meta + torch's fake group, which rejects a host tensor
+    as NCCL does) the gather raises nothing. It read a host tensor into its first broadcast
+    before pentatron-models 0.5.3. (The fake device reads zeros, so only the header's
+    broadcast runs here; the data's are bitwise-checked at gloo above.)"""
+    from pentatron.models.hf.convert import _gather_pipeline
+    from pentatron.parallel_state.testing.fake_device import FakeDevice, fake_world
+
+    with fake_world(rank=0, world_size=2), FakeDevice():
+        grid = initialize_model_parallel(ParallelConfig(pp=2))
+        assert grid.device.type == "meta"
+        _gather_pipeline({"w": torch.ones(3, device=grid.device)}, grid)

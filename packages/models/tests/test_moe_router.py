@@ -112,7 +112,7 @@ ROUTER_KW = {
     "z_loss": dict(moe_router_load_balancing_type="none", moe_z_loss_coeff=0.01),
 }
 RECORD = {"aux_loss": "load_balancing_loss", "aux_loss_sigmoid": "load_balancing_loss"}
-RECORD |= {"seq_aux_loss": "load_balancing_loss", "z_loss": "z_loss"}
+RECORD |= {"seq_aux_loss": "seq_load_balancing_loss", "z_loss": "z_loss"}
 COEFF = {"aux_loss": 0.1, "aux_loss_sigmoid": 0.1, "seq_aux_loss": 0.1, "z_loss": 0.01}
 
 

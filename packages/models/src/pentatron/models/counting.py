@@ -18,8 +18,6 @@ counted all s^2 scores (12 L q s). Without attention terms it is the familiar 6N
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .config import TransformerConfig
@@ -218,16 +216,6 @@ def num_floating_point_operations(
 def flops_per_token(config: TransformerConfig, seq_length: int, padded_vocab_size: int) -> float:
     """Training FLOPs per token: `num_floating_point_operations / (b s)`."""
     return num_floating_point_operations(config, seq_length, padded_vocab_size) / seq_length
-
-
-def model_flops_summary(config: TransformerConfig, seq_length: int, vocab: int) -> dict[str, Any]:
-    """Parameters (no embeddings) and the 6N approximation next to the full formula."""
-    dense = config.num_layers * num_parameters_per_layer(config)
-    return {
-        "non_embedding_parameters": dense,
-        "six_n": 6 * dense,
-        "flops_per_token": flops_per_token(config, seq_length, vocab),
-    }
 
 
 def num_floating_point_operations_per_rank(

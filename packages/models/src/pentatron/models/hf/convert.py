@@ -281,8 +281,15 @@ def to_hf(
     return out
 
 
-def _broadcast_tensor(t: torch.Tensor | None, src: int, group: Any, dtype, shape) -> torch.Tensor:
-    buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype)
+def _broadcast_tensor(
+    t: torch.Tensor | None, src: int, group: Any, dtype, shape, device: torch.device
+) -> torch.Tensor:
+    """`t` from `src` (None elsewhere: received into a `shape` buffer), on `device`."""
+    buf = (
+        t.to(device).contiguous()
+        if t is not None
+        else torch.empty(shape, dtype=dtype, device=device)
+    )
     comm.broadcast(buf, src=src, group=group)
     return buf
 
@@ -294,39 +301,33 @@ def _gather_pipeline(mine: dict[str, torch.Tensor], grid: ProcessGrid) -> dict[s
     """The union of every pp stage's dict, on every stage (tensors only, no pickling).
 
     Per stage in turn: a header (count), then per tensor its name as uint8, its dtype code,
-    ndim and shape as int64, and the data."""
-    group, me = grid.group("pp"), grid.rank("pp")
+    ndim and shape as int64, and the data; every buffer on the grid's device (the pp group
+    may be NCCL's)."""
+    group, me, device = grid.group("pp"), grid.rank("pp"), grid.device
+
+    def bcast(t: torch.Tensor | None, src: int, dtype, shape) -> torch.Tensor:
+        return _broadcast_tensor(t, src, group, dtype, shape, device)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     out: dict[str, torch.Tensor] = {}
     for stage, src in enumerate(grid.ranks("pp")):
         sending = stage == me
         items = list(mine.items()) if sending else []
-        count = _broadcast_tensor(
-            torch.tensor([len(items)]) if sending else None, src, group, torch.int64, (1,)
-        )
+        count = bcast(ints([len(items)]) if sending else None, src, torch.int64, (1,))
         for i in range(int(count)):
-            # name, t, raw and meta are set exactly on the sending stage
+            # name and t are set exactly on the sending stage
             name, t = items[i] if sending else (None, None)
-            raw = torch.tensor(list(name.encode())) if name is not None else None
-            n = _broadcast_tensor(
-                torch.tensor([raw.numel()]) if raw is not None else None,
-                src,
-                group,
-                torch.int64,
-                (1,),
+            raw = ints(list(name.encode())) if name is not None else None
+            n = bcast(ints([raw.numel()]) if raw is not None else None, src, torch.int64, (1,))
+            raw = bcast(
+                raw.to(torch.uint8) if raw is not None else None, src, torch.uint8, (int(n),)
             )
-            raw = _broadcast_tensor(
-                raw.to(torch.uint8) if raw is not None else None, src, group, torch.uint8, (int(n),)
-            )
-            meta = (
-                torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape]) if t is not None else None
-            )
-            head = _broadcast_tensor(
-                meta[:2] if meta is not None else None, src, group, torch.int64, (2,)
-            )
+            meta = ints([_DTYPES.index(t.dtype), t.dim(), *t.shape]) if t is not None else None
+            head = bcast(meta[:2] if meta is not None else None, src, torch.int64, (2,))
             dtype, ndim = _DTYPES[int(head[0])], int(head[1])
-            shape = _broadcast_tensor(
-                meta[2:] if meta is not None else None, src, group, torch.int64, (ndim,)
-            )
-            data = _broadcast_tensor(t, src, group, dtype, tuple(int(d) for d in shape))
+            shape = bcast(meta[2:] if meta is not None else None, src, torch.int64, (ndim,))
+            data = bcast(t, src, dtype, tuple(int(d) for d in shape))
             out[bytes(raw.tolist()).decode()] = t if t is not None else data
     return out

@@ -15,7 +15,8 @@ import torch
 
 from pentatron.parallel_state import comm, current_device
 
-AUX_LOSS_NAMES = ("load_balancing_loss", "z_loss")
+# As Megatron logs them (seq_aux_loss balancing has its own name)
+AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 
 class AuxLossRecord:

@@ -346,5 +346,7 @@ class TopKRouter(torch.nn.Module):
             share = sequence_load_balancing_loss(
                 scores, topk_map, batch_size, topk, coeff, self.tp_cp_group
             )
-        self.aux_loss_record.record("load_balancing_loss", share / coeff)
+        # Megatron's logged names: load_balancing_loss, seq_load_balancing_loss
+        name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
+        self.aux_loss_record.record(name, share / coeff)
         return attach_aux_loss(probs, self._loss_scale_up(share, probs.shape[0]))
