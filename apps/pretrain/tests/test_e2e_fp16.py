@@ -11,7 +11,9 @@ moves the loss by 2.6e-2 (rel) over the 10 steps, a thousand times the loss tole
 
 Planted, each must fail: the loss scale never applied to the loss while the optimizer
 divides it out (the bug this file found: grad norms 4096x small, so clipping never
-engaged, and fp16 grads underflow on a GPU), and every grad 2x.
+engaged, and fp16 grads underflow on a GPU), and every grad 2x. The loss scale survives a
+checkpoint (checked by hand: a scaler that ignores its saved state fails the resume test,
+restarting at 2^20).
 """
 
 from __future__ import annotations
@@ -98,3 +100,21 @@ def test_overflowing_steps_are_skipped_and_leave_the_weights(distributed):
     assert skipped["loss_scales"] == _megatron_logged_scales(2.0**32, 2, [True] * 4)
     assert all(n is not None and math.isfinite(n) for n in frozen["grad_norms"])  # it stepped
     assert torch.equal(torch.tensor(skipped["losses"]), torch.tensor(frozen["losses"]))
+
+
+def test_the_loss_scale_resumes_from_a_checkpoint(distributed, tmp_path):
+    """2^20 overflows twice (steps 1 and 2: hysteresis 2), then 2^19 trains. Saved at step
+    3 and resumed, the run goes on at 2^19 (a scaler restarted at 2^20 would skip steps
+    again) with the uninterrupted run's losses and grad norms, bitwise."""
+    argv = [*TINY_GPT, "--train-iters", "6", "--seed", "7", "--fp16"]
+    argv += ["--initial-loss-scale", str(2**20)]
+    full = distributed.run(1, train_record, argv)[0]
+    save = ["--exit-interval", "3", "--save", str(tmp_path), "--save-interval", "3"]
+    distributed.run(1, train_record, [*argv, *save])
+    resumed = distributed.run(1, train_record, [*argv, "--load", str(tmp_path)])[0]
+    overflows = [n is None for n in full["grad_norms"]]
+    assert overflows == [True, True, False, False, False, False]
+    assert full["loss_scales"] == _megatron_logged_scales(2.0**20, 2, overflows)
+    assert resumed["loss_scales"] == full["loss_scales"][3:]
+    assert resumed["losses"] == full["losses"][3:]
+    assert resumed["grad_norms"] == full["grad_norms"][3:]
