@@ -65,10 +65,14 @@ def test_zb_h1_matches_one_process(distributed, reference, layout):
     assert_matches_reference(per_rank, reference, RTOL)
 
 
-def test_zb_h1_moe_pp2_ep2_matches_one_process(distributed):
-    reference = distributed.run(1, train_record, MOE)[0]
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
+def test_zb_h1_moe_pp2_ep2_matches_one_process(distributed, experts):
+    """The experts' weights and biases (the grouped GEMM's added by `experts_bias`) wait
+    for W."""
+    moe = MOE + (["--moe-grouped-gemm"] if experts == "grouped" else [])
+    reference = distributed.run(1, train_record, moe)[0]
     layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
-    per_rank = distributed.run(4, train_record, MOE + layout + ZB)
+    per_rank = distributed.run(4, train_record, moe + layout + ZB)
     assert_matches_reference(per_rank, reference, RTOL)
 
 

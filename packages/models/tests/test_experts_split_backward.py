@@ -1,8 +1,9 @@
 """Routed experts under a split backward (zero-bubble pipeline schedules): inside
 `WeightGradStore.defer()` B gives the undivided input gradient and no weight or bias
-gradient (GroupedMLP's biases, added outside its GEMM, take theirs in B); the W then gives
-the undivided ones, bitwise (fp32; SwiGLU with biases, an empty expert, the loop and the
-grouped GEMM where torch runs it here)."""
+gradient (GroupedMLP's biases, added outside its GEMM by `experts_bias`, included); the W
+then gives the undivided ones, bitwise (fp32; SwiGLU with biases, an empty expert, the loop
+and the grouped GEMM where torch runs it here). GroupedMLP's bias add is also checked
+against autograd's own `repeat_interleave` (its forward and both gradients, bitwise)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _moe import moe_config
 
-from pentatron.models.moe.experts import GroupedMLP, SequentialMLP, grouped_mm_supported
+from pentatron.models.moe.experts import (
+    GroupedMLP,
+    SequentialMLP,
+    experts_bias,
+    grouped_mm_supported,
+)
 from pentatron.tp_layers import WeightGradStore, init_method_normal
 
 COUNTS = [3, 0, 2, 1, 2, 1, 1, 2]
@@ -55,10 +61,24 @@ def test_expert_weight_gradients_wait_for_w(cls):
     _backward(split, x_split, store)
     assert torch.equal(x_split.grad, x_ref.grad)
     for name, p in split.named_parameters():
-        # GroupedMLP adds its biases outside the GEMM: autograd's op, its grad comes in B.
-        in_b = cls is GroupedMLP and name.endswith("bias")
-        assert (p.grad is not None) == in_b, name
+        assert p.grad is None, name
     assert store.pending_bytes() > 0
     store.run_oldest()
     for (name, p), q in zip(split.named_parameters(), ref.parameters()):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_experts_bias_is_autograds_repeat_interleave_bitwise():
+    counts = torch.tensor([3, 0, 2, 1, 40, 17])
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(int(counts.sum()), 24, generator=g)
+    bias = torch.randn(len(counts), 24, generator=g)
+    dy = torch.randn(h.shape, generator=g)
+    h1, b1 = h.clone().requires_grad_(), bias.clone().requires_grad_()
+    want = h1 + b1.repeat_interleave(counts, dim=0, output_size=h.size(0))
+    want.backward(dy)
+    h2, b2 = h.clone().requires_grad_(), bias.clone().requires_grad_()
+    got = experts_bias(h2, b2, counts)
+    got.backward(dy)
+    assert torch.equal(got, want)
+    assert torch.equal(h2.grad, h1.grad) and torch.equal(b2.grad, b1.grad)

@@ -77,7 +77,8 @@ class _ExpertsLinear(torch.autograd.Function):
     times its expert's `weight [E, out, in]` transposed, plus its `bias [E, out]` row.
 
     One loop of `F.linear`s (`offs` None) or one grouped GEMM (`offs`: the groups' end rows,
-    int32; no bias: GroupedMLP adds it after, and its grad comes in B). Backward computes what autograd computes for those ops, the same way
+    int32; no bias: GroupedMLP adds it after, with `experts_bias`). Backward computes what
+    autograd computes for those ops, the same way
     (so the numbers do not change); inside a `WeightGradStore.defer()` (zero-bubble
     pipeline schedules) only dx is computed in B and dW, db are queued for W.
     """
@@ -131,6 +132,46 @@ def _experts_weight_grads(x, dy, weight, bias, counts, offs, want_w, want_b):
     if want_b:
         pairs.append((bias, torch.stack([d.sum(0) for d in torch.split(dy, counts, dim=0)])))
     return pairs
+
+
+class _ExpertsBias(torch.autograd.Function):
+    """`h [N, out]` expert-major plus each row's expert `bias [E, out]`, as
+    `h + bias.repeat_interleave(counts)` computes it (an `index_select` of the bias rows by
+    `index [N]`, the rows' experts). Backward gives dh = dy and db as autograd does for
+    that `index_select` (an `index_add` into zeros: bitwise the same); inside a
+    `WeightGradStore.defer()` db is queued for W with the other expert weight grads."""
+
+    @staticmethod
+    def forward(ctx, h, bias, index):
+        ctx.save_for_backward(index)
+        ctx.bias, ctx.h_dtype = bias, h.dtype
+        return h + bias.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (index,) = ctx.saved_tensors
+        bias = ctx.bias
+        dh = dy.to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dh, None, None
+        g = dy.to(bias.dtype)
+
+        def grads():
+            return [(bias, g.new_zeros(bias.shape).index_add_(0, index, g))]
+
+        store = deferring_store()
+        if store is not None:
+            store.push(DeferredWeightGrad(grads, g.numel() * g.element_size()))
+            return dh, None, None
+        return dh, grads()[0][1], None
+
+
+def experts_bias(h: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`h [N, out]` (expert-major, `counts [E]` rows per expert) + its experts' `bias`
+    rows; the bias grad waits for W under a split backward (see `_ExpertsBias`)."""
+    experts = torch.arange(bias.size(0), device=counts.device)
+    index = experts.repeat_interleave(counts, output_size=h.size(0))
+    return _ExpertsBias.apply(h, bias, index)
 
 
 def experts_linear(x, weight, bias, counts, offs=None):
@@ -294,10 +335,10 @@ class GroupedMLP(SequentialMLP):
         sizes = list(tokens_per_expert)
         h = experts_linear(x.contiguous(), fc1.weight, None, sizes, offs)
         if fc1.bias is not None:
-            h = h + fc1.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
+            h = experts_bias(h, fc1.bias, counts)
         out = self.activation_then(
             h, lambda a: experts_linear(a.contiguous(), fc2.weight, None, sizes, offs)
         )
         if fc2.bias is not None and self.etp_rank == 0:
-            out = out + fc2.bias.repeat_interleave(counts, dim=0, output_size=x.size(0))
+            out = experts_bias(out, fc2.bias, counts)
         return out

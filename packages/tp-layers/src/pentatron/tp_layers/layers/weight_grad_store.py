@@ -13,9 +13,9 @@ with `regather_input`, gathered again in W) and its output gradient `[s, b, o]`:
 `pending_bytes()` is that cost. Another layer defers the same way: in its backward, if
 `deferring_store()` is not None, push a `DeferredWeightGrad`: the norms (`rms_norm`,
 `layer_norm`, also inside the fused norm + linear), `VocabParallelEmbedding`'s table and
-pentatron.models' routed experts do. Autograd's own ops (routers, the grouped experts'
-biases, a row layer's bias added after the reduction) keep their weight gradients in B:
-a small share of the FLOPs.
+pentatron.models' routed experts (weights and biases) do. Autograd's own ops (routers, a
+row layer's bias added after the reduction) keep their weight gradients in B: a small
+share of the FLOPs.
 
 W hands its gradients to autograd (`torch.autograd.backward` on the weight and bias), so
 whatever hooks the parameters carry run as in an undivided backward: DDP's hook adds the
