@@ -86,6 +86,19 @@ LAYOUTS = {
             "8",
         ],
     ),
+    # world 8: fp16 with dynamic loss scaling at tp2 x pp2 x dp2 with SP and the distributed
+    # optimizer (the scaled loss, the unscale with its inf check agreed over the grid)
+    "fp16-tp2-pp2-dp2": (
+        8,
+        [
+            *TP2_PP2,
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--fp16",
+            "--global-batch-size",
+            "8",
+        ],
+    ),
     # world 4: MoE, 4 experts over ep2 (all-to-all dispatcher, grouped GEMM), tp2 with SP,
     # aux loss and expert bias (the per-step expert-bias all-reduce)
     "moe-tp2-ep2": (
@@ -200,8 +213,27 @@ def _plant(name: str) -> None:
         from pentatron.models.moe import router
 
         router.current_device = lambda: torch.device("cpu")
+    elif name == "fp16-inv-scale-on-host":  # the unscale's 1/scale as a host tensor
+        from pentatron.optim.optimizer import clip_grads
+
+        unscale = clip_grads.torch._amp_foreach_non_finite_check_and_unscale_
+
+        def host_inv(grads, found, inv):  # the fake device has no value to copy: 1.0
+            unscale(grads, found, torch.ones(1, dtype=torch.float32))
+
+        clip_grads.torch = _TorchWith(_amp_foreach_non_finite_check_and_unscale_=host_inv)
     elif name != "none":
         raise ValueError(f"unknown plant {name!r}")
+
+
+class _TorchWith:
+    """`torch` with some attributes replaced: a plant reaches one call site only."""
+
+    def __init__(self, **replaced) -> None:
+        self._replaced = replaced
+
+    def __getattr__(self, name):
+        return self._replaced.get(name, getattr(torch, name))
 
 
 class _StepReads:
@@ -230,12 +262,14 @@ def play(layout: str, rank: int, save_dir: str, extra: list[str]) -> dict:
     from pentatron.pretrain.training import loop
 
     world, flags = LAYOUTS[layout]
-    argv = [*MODEL, *flags, "--train-iters", "2", "--save", save_dir, "--save-interval", "2"]
+    dtype = torch.float16 if "--fp16" in flags else torch.bfloat16
+    model = [f for f in MODEL if f != "--bf16"] if dtype == torch.float16 else MODEL
+    argv = [*model, *flags, "--train-iters", "2", "--save", save_dir, "--save-interval", "2"]
     argv += extra
     # DCP's cross-rank planning exchanges pickled objects, which a fake group cannot carry:
     # each fake rank plans its own files (no_dist). Writer and state dict are the real ones.
     save_module.dcp = _NoDistDCP(dcp)
-    with fake_world(rank, world), FakeDevice(compute_dtype=torch.bfloat16) as device:
+    with fake_world(rank, world), FakeDevice(compute_dtype=dtype) as device:
         args = validate_args(parse_args(argv), world)
         reads, original = _StepReads(device), loop.train_step
         loop.train_step = reads.wrap(original)

@@ -6,7 +6,8 @@ get_model with DDP chunks and the distributed optimizer, the pipeline schedule, 
 reductions, the optimizer step, a checkpoint save) as chosen ranks of a fake world of 8
 (tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather; the
 same under ZBV's V with its second p2p group and the loss moved to the last rank) or 4
-(MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM), in bf16 on `meta` tensors with
+(MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM), in bf16 (and fp16 with dynamic loss
+scaling at tp2-pp2-dp2) on `meta` tensors with
 torch's fake process group (`pentatron.parallel_state.testing.fake_device`). A rank
 fails on what fails or crawls on a GPU: a host tensor handed to a compute collective (the
 fake group rejects it with NCCL's error), a host tensor in a device op, an fp32 GEMM of
@@ -16,8 +17,8 @@ both dp ranks.
 
 The planted cases re-introduce, one at a time, the defects the first GPU run found (the
 batch left on the host, the step's flags all-reduced from the host, the weight gradient
-as an fp32 GEMM, an MoE parameter made on the host) and one more (a host read per
-micro-batch); each must fail.
+as an fp32 GEMM, an MoE parameter made on the host) and two more (a host read per
+micro-batch; fp16's inverse loss scale made on the host); each must fail.
 """
 
 from __future__ import annotations
@@ -93,6 +94,17 @@ def test_mla_step_runs_on_the_fake_gpu(tmp_path):
         assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
 
 
+def test_fp16_step_runs_on_the_fake_gpu(tmp_path):
+    """--fp16 (dynamic loss scaling) at tp2-pp2-dp2 with SP and the distributed optimizer:
+    fp16 GEMMs only, and one host read more per step than bf16 (the unscale's overflow
+    verdict, agreed over the grid)."""
+    result = _ok(dry_run(tmp_path, "fp16-tp2-pp2-dp2", "0,7"))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        assert r["gemm_dtypes"] == ["torch.float16"], (rank, r["gemm_dtypes"])
+        assert r["reads_per_step"] == [3, 3], (rank, r["reads_per_step"])
+
+
 PLANTS = {
     # the batch built on the host: tp rank 0 broadcasts it over tp from the host
     "batch-on-host": ("0", "broadcast over group 'tp'", "device type cpu"),
@@ -102,13 +114,16 @@ PLANTS = {
     "fp32-wgrad": ("7", "fp32 GEMM", "addmm"),
     # an MoE router weight made on the host: DDP cannot put it in its device buffer
     "moe-param-on-host": ("0", "set_data", ""),
+    # fp16: the loss scale's inverse made on the host for the unscale kernel
+    "fp16-inv-scale-on-host": ("0", "non_finite_check_and_unscale", "host tensor"),
 }
+LAYOUT_OF_PLANT = {"moe": "moe-tp2-ep2", "fp16": "fp16-tp2-pp2-dp2"}
 
 
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_each_planted_defect_fails(tmp_path, plant):
     rank, *needles = PLANTS[plant]
-    layout = "moe-tp2-ep2" if plant.startswith("moe") else "tp2-pp2-dp2"
+    layout = LAYOUT_OF_PLANT.get(plant.split("-")[0], "tp2-pp2-dp2")
     result = dry_run(tmp_path, layout, rank, plant)
     error = result[int(rank)].get("error", "")
     assert error, f"{plant}: the dry run passed with the defect planted"
