@@ -116,6 +116,12 @@ LAYOUTS = {
             "--ddp-bucket-size",
             "20000",
         ],
+        # fp16 as Megatron's GPT-3 175B script trains; a loss scale that does not overflow,
+        # so the one measured step is taken (a skipped step creates no Adam state)
+        "dp2-distopt-fp16": [
+            *("--fp16", "--initial-loss-scale", "4096"),
+            *("--use-distributed-optimizer", "--global-batch-size", "4"),
+        ],
         "moe-ep2-a2a": MOE + EP2 + A2A + ["--global-batch-size", "4"],
         "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
         "mla-tp2-sp-bf16-mtp": BF16 + MLA + TP2_SP + MTP,
