@@ -1,11 +1,19 @@
 """Nox sessions for the Pentatron workspace.
 
     nox -l                          # list sessions
-    nox -s "tests(parallel-state)"  # one member's tests, with its workspace deps
+    nox -s "tests(parallel-state)"  # one member's tests, all of them, with its workspace deps
     nox -s lint typecheck
     nox -s standalone               # every member's wheel installed alone in a fresh venv
+    nox -s "checkout(pretrain)"     # the tests that read the source checkout, editable
     nox -s "examples(tp-layers)"    # a member's examples/ run under torchrun, wheel alone
-    nox                             # what CI runs: every session, then each one's result and time
+    nox                             # what CI runs (below), then each session's result and time
+
+CI runs each test once, in the strictest environment it can run in: against the member's
+wheel installed alone (`standalone`), except the tests marked `checkout` (they read the
+README, examples/, benchmarks/ or tools/, which a wheel's test copy does not have), which
+`checkout` runs with the member installed editable. `tests` runs a member's whole suite
+editable, for development; CI does not run it, since `standalone` + `checkout` are the same
+tests in a stricter environment, and running both would double CI's time.
 
 Members are discovered from the root [tool.uv.workspace] globs, so a new package gets its
 sessions without editing this file. torch is pinned to the local CPU wheel where the machine
@@ -37,13 +45,22 @@ if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
 
 nox.options.default_venv_backend = "uv|virtualenv"
 # `nox` alone runs what CI runs (the README's test command names them).
-nox.options.sessions = ["lint", "typecheck", "tests", "standalone", "examples"]
+nox.options.sessions = ["lint", "typecheck", "checkout", "standalone", "examples"]
 
 MEMBERS = workspace.members()
 FOLDERS = [m.folder for m in MEMBERS.values()]
 BY_FOLDER = {m.folder: m for m in MEMBERS.values()}
 WITH_EXAMPLES = [m.folder for m in MEMBERS.values() if (m.path / "examples").is_dir()]
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
+# The marker of tests that read the source checkout (registered by parallel-state's plugin).
+CHECKOUT_MARK = "pytest.mark.checkout"
+
+
+def _has_checkout_tests(member: workspace.Member) -> bool:
+    return any(CHECKOUT_MARK in f.read_text() for f in (member.path / "tests").glob("test_*.py"))
+
+
+WITH_CHECKOUT_TESTS = [m.folder for m in MEMBERS.values() if _has_checkout_tests(m)]
 
 
 def install_torch(session: nox.Session) -> None:
@@ -88,12 +105,32 @@ def member_wheels(session: nox.Session, members: list[workspace.Member]) -> Path
 @nox.session
 @nox.parametrize("member", FOLDERS, ids=FOLDERS)
 def tests(session: nox.Session, member: str) -> None:
-    """One member's tests, with it and its workspace dependencies installed editable."""
+    """One member's whole suite, editable with its workspace deps (development; not in CI).
+
+    CI runs the same tests as `standalone(<member>)` + `checkout(<member>)`.
+    """
     target = BY_FOLDER[member]
     install_torch(session)
     deps = [arg for dep in target.workspace_deps(MEMBERS) for arg in ("-e", str(dep.path))]
     session.install(*deps, "-e", f"{target.path}[test]")
     session.run("pytest", str(target.path / "tests"), *PYTEST_ARGS, *session.posargs)
+
+
+@nox.session
+@nox.parametrize("member", WITH_CHECKOUT_TESTS, ids=WITH_CHECKOUT_TESTS)
+def checkout(session: nox.Session, member: str) -> None:
+    """The member's tests that read the source checkout (marked `checkout`), editable.
+
+    They read the README, examples/, benchmarks/ or tools/; `standalone` runs the rest.
+    The member and its workspace dependencies are installed editable.
+    """
+    target = BY_FOLDER[member]
+    install_torch(session)
+    deps = [arg for dep in target.workspace_deps(MEMBERS) for arg in ("-e", str(dep.path))]
+    session.install(*deps, "-e", f"{target.path}[test]")
+    session.run(
+        "pytest", str(target.path / "tests"), *PYTEST_ARGS, "-m", "checkout", *session.posargs
+    )
 
 
 @nox.session
@@ -116,7 +153,9 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("member", FOLDERS, ids=FOLDERS)
 def standalone(session: nox.Session, member: str) -> None:
-    """Install this member's wheel alone (only its declared deps) and run its tests.
+    """The member's wheel alone (only its declared deps): its tests, but those marked checkout.
+
+    `checkout(<member>)` runs the tests marked `checkout`.
 
     The tests (and the member's examples/, which some tests run) are copied out of the tree
     and run from a temporary folder, so nothing can be imported from the source checkout by
@@ -138,7 +177,16 @@ def standalone(session: nox.Session, member: str) -> None:
             "python", "-c", f"import {module} as m; print(m.__name__, m.__version__, m.__file__)"
         )
         session.run(
-            "pytest", "tests", *PYTEST_ARGS, "-c", os.devnull, "--rootdir", tmp, *session.posargs
+            "pytest",
+            "tests",
+            *PYTEST_ARGS,
+            "-c",
+            os.devnull,
+            "--rootdir",
+            tmp,
+            "-m",
+            "not checkout",
+            *session.posargs,
         )
 
 

@@ -1,7 +1,7 @@
 """Run what CI runs: every nox session of the workspace, then one line per session with its
 result and time in seconds, and the total.
 
-    .venv/bin/python tools/ci.py                      # all sessions (noxfile's defaults)
+    .venv/bin/python tools/ci.py                      # CI's sessions (noxfile's defaults)
     .venv/bin/python tools/ci.py -s "tests(optim)"    # any nox arguments pass through
 
 nox runs every session even after one fails; the exit status is non-zero when any failed,

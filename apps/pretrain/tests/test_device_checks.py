@@ -8,7 +8,8 @@ GPU time is short, so what can go wrong before a GPU is reached is checked here:
 - `run_all.py --smoke --only app,sdpa,wgrad` end to end in a subprocess (tiny app run on
   CPU, a CUDA-only check skipped, a script check): the table, results.json, few files;
 - a step past its timeout is killed with the processes it started.
-`tools/` lives in the repository, not in the wheel's test copy: skipped there.
+`tools/` lives in the repository, not in the wheel's test copy: marked `checkout` (run by
+`nox -s "checkout(pretrain)"`, deselected in the standalone session).
 """
 
 from __future__ import annotations
@@ -23,12 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.checkout
 TOOLS = Path(__file__).resolve().parents[3] / "tools" / "device_checks"
-if not (TOOLS / "run_all.py").is_file():
-    pytest.skip(
-        "tools/device_checks lives in the repository, not in the wheel's test copy",
-        allow_module_level=True,
-    )
 
 
 @pytest.fixture(scope="module")

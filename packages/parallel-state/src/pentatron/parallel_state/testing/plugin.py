@@ -5,6 +5,11 @@
 
 Options: --rank-timeout SECONDS (per call, default 180), --collective-timeout SECONDS
 (gloo timeout inside the ranks, default 90).
+
+Marker `checkout`: the test reads the source checkout (README, examples/, benchmarks/,
+tools/), which a wheel's test copy does not have. The workspace's nox sessions run each
+test once in CI: `standalone(<member>)` deselects these (`-m "not checkout"`), and
+`checkout(<member>)` runs only them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=90.0,
         help="gloo collective timeout inside the worker ranks",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "checkout: reads the source checkout (README, examples/, benchmarks/, tools/); "
+        "run by the `checkout(<member>)` nox session, deselected by `standalone(<member>)`",
     )
 
 
