@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from pentatron.parallel_state import ParallelConfig, comm, initialize_model_parallel
+from pentatron.parallel_state.testing import RankPool
 
 
 def _overlapped(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -41,8 +42,18 @@ def _compile_and_compare():
     )
 
 
-def test_async_collectives_compile_into_one_graph(distributed):
-    for eager, compiled, breaks, graphs in distributed.run(2, _compile_and_compare):
+def test_async_collectives_compile_into_one_graph():
+    """In ranks of its own, which must end cleanly: the compiled code held the tp group
+    (Dynamo keeps it as a global of this module) until `shutdown` learnt to drop it, and
+    the ranks exited with the group's gloo threads alive (status 3)."""
+    pool = RankPool(2, timeout=120)
+    try:
+        results = pool.run(_compile_and_compare)
+    finally:
+        procs = list(pool._procs)
+        pool.close()
+    assert [p.exitcode for p in procs] == [0, 0]
+    for eager, compiled, breaks, graphs in results:
         assert (breaks, graphs) == (0, 1)
         assert eager[2] is True and compiled[2] is True  # wait() reports completion
         for e, c in zip(eager[:2], compiled[:2]):

@@ -129,6 +129,29 @@ def test_workers_end_with_the_apps_shutdown():
     assert codes == [0, 0]  # the default group's too, when the pool closed
 
 
+def _import_dcp_and_fsdp_late() -> int:
+    """What a test (or a user's script) does: DCP and FSDP imported after the default group
+    exists. They import torch.distributed.nn, whose functions take `group=group.WORLD` as a
+    default argument, evaluated at import: the default group itself, held for good, unless
+    torch.distributed.nn was imported before the group existed (parallel-state does)."""
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp  # noqa: F401
+
+    return dist.get_world_size()
+
+
+def test_late_dcp_import_does_not_keep_the_default_group_alive():
+    """Without parallel-state's early import of torch.distributed.nn every worker of every
+    session that loaded DCP ended with exit status 3 (the default group's gloo threads
+    outlived `shutdown`), and paid the full interpreter teardown."""
+    pool = RankPool(2, timeout=60)
+    try:
+        assert pool.run(_import_dcp_and_fsdp_late) == [2, 2]
+    finally:
+        codes = _end(pool)
+    assert codes == [0, 0]
+
+
 def test_a_group_kept_alive_is_reported_when_the_worker_ends():
     pool = RankPool(2, timeout=60)
     try:

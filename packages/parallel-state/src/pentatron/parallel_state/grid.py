@@ -19,6 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported now, before any process group exists, for `shutdown`'s sake: its functions take
+# `group=group.WORLD` as a default argument, which Python evaluates once, at import. Imported
+# after `init_process_group` (DCP and FSDP import it), it would hold the default group
+# for the life of the process, and that group's gloo threads would outlive `shutdown`.
+import torch.distributed.nn
+
 from . import comm
 from .config import ParallelConfig, ResolvedLayout
 from .device import DeviceChoice, bind_local_device, choose_backend
@@ -269,6 +275,8 @@ def shutdown(
 
 
 def _destroy_all(grid: ProcessGrid | None, default_group: bool) -> None:
+    if "torch._dynamo" in sys.modules:
+        _forget_compiled_code()
     if default_group:  # objects in reference cycles may still hold groups (~0.1 s: only at the end)
         gc.collect()
     destroy_model_parallel(grid)
@@ -282,6 +290,20 @@ def _destroy_all(grid: ProcessGrid | None, default_group: bool) -> None:
         _release_device_meshes()
         dist.destroy_process_group()  # the default group, and any unnamed group left
         gc.collect()
+
+
+def _forget_compiled_code() -> None:
+    """Code that torch.compile traced through a collective holds the group it was given
+    (the traced graph keeps it as an example value), or the group's gloo threads outlive
+    it (`--compile` on CPU warned at every exit). Dynamo keeps each compiled function twice:
+    in its caches, which `reset()` clears, and as a global `__compiled_fn_<n>_<uuid>` of
+    the module whose function it compiled, which `reset()` leaves. Both go."""
+    torch._dynamo.reset()
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            for name in [k for k in namespace if str(k).startswith("__compiled_fn_")]:
+                del namespace[name]
 
 
 def _release_device_meshes() -> None:

@@ -52,4 +52,13 @@ def distributed(request: pytest.FixtureRequest) -> Iterator[PoolSet]:
         collective_timeout=request.config.getoption("--collective-timeout"),
     )
     yield pools
-    pools.close()
+    # A rank that did not end cleanly kept a process group alive past every test's cleanup
+    # (exit status 3): the app's exit would risk the gloo abort there. Fail the session.
+    unclean = {w: c for w, c in pools.close().items() if any(code != 0 for code in c)}
+    if unclean:
+        pytest.fail(
+            f"the distributed fixture's ranks did not end cleanly (exit statuses by world "
+            f"size: {unclean}); 3 = a gloo thread outlived the shutdown: a process group kept "
+            f"alive past the calls that made it",
+            pytrace=False,
+        )
