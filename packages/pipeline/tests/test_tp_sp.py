@@ -9,6 +9,8 @@ message, m each way over each of the p*v-1 boundaries of each tp rank's pipeline
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -138,8 +140,11 @@ def _run(case: dict) -> dict:
         x, target, mask = next(it)
         out = model(x[seq].contiguous())
         if not last[chunks.index(model)] and not (zbv and pp_rank == pp - 1 and model is chunks[0]):
-            # A sent output (not the loss, not ZBV's in-memory turn).
-            out.register_hook(lambda g, out=out: freed_at_backward.append(out.numel() == 1))
+            # A sent output (not the loss, not ZBV's in-memory turn). Held weakly: a hook
+            # that holds its own tensor is a cycle through C++ that gc cannot break, and it
+            # kept each stage's graph, with the tp group its autograd contexts hold, alive.
+            sent = weakref.ref(out)
+            out.register_hook(lambda g: freed_at_backward.append(sent().numel() == 1))
 
         def loss_func(output):
             # This rank's share of the micro-batch loss; the shares sum to the full loss.
