@@ -102,6 +102,15 @@ def member_wheels(session: nox.Session, members: list[workspace.Member]) -> Path
     return _wheel_dir()
 
 
+def _install_editable(session: nox.Session, member: str) -> workspace.Member:
+    """torch, then the member (with its test extra) and its workspace deps, all editable."""
+    target = BY_FOLDER[member]
+    install_torch(session)
+    deps = [arg for dep in target.workspace_deps(MEMBERS) for arg in ("-e", str(dep.path))]
+    session.install(*deps, "-e", f"{target.path}[test]")
+    return target
+
+
 @nox.session
 @nox.parametrize("member", FOLDERS, ids=FOLDERS)
 def tests(session: nox.Session, member: str) -> None:
@@ -109,10 +118,7 @@ def tests(session: nox.Session, member: str) -> None:
 
     CI runs the same tests as `standalone(<member>)` + `checkout(<member>)`.
     """
-    target = BY_FOLDER[member]
-    install_torch(session)
-    deps = [arg for dep in target.workspace_deps(MEMBERS) for arg in ("-e", str(dep.path))]
-    session.install(*deps, "-e", f"{target.path}[test]")
+    target = _install_editable(session, member)
     session.run("pytest", str(target.path / "tests"), *PYTEST_ARGS, *session.posargs)
 
 
@@ -124,10 +130,7 @@ def checkout(session: nox.Session, member: str) -> None:
     They read the README, examples/, benchmarks/ or tools/; `standalone` runs the rest.
     The member and its workspace dependencies are installed editable.
     """
-    target = BY_FOLDER[member]
-    install_torch(session)
-    deps = [arg for dep in target.workspace_deps(MEMBERS) for arg in ("-e", str(dep.path))]
-    session.install(*deps, "-e", f"{target.path}[test]")
+    target = _install_editable(session, member)
     session.run(
         "pytest", str(target.path / "tests"), *PYTEST_ARGS, "-m", "checkout", *session.posargs
     )

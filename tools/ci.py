@@ -1,4 +1,4 @@
-"""Run what CI runs: every nox session of the workspace, then one line per session with its
+"""Run what CI runs: the noxfile's default sessions, then one line per session with its
 result and time in seconds, and the total.
 
     .venv/bin/python tools/ci.py                      # CI's sessions (noxfile's defaults)

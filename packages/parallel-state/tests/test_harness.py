@@ -111,12 +111,6 @@ def _gloo_thread_count() -> int:
     return len(gloo_threads())
 
 
-def _end(pool: RankPool) -> list:
-    procs = list(pool._procs)
-    pool.close()
-    return [p.exitcode for p in procs]
-
-
 def test_workers_end_with_the_apps_shutdown():
     pool = RankPool(2, timeout=60)
     try:
@@ -124,7 +118,7 @@ def test_workers_end_with_the_apps_shutdown():
         during = pool.run(_groups_left_behind, False)
         after = pool.run(_gloo_thread_count)
     finally:
-        codes = _end(pool)
+        codes = pool.close()
     assert during[0] > alone[0] and after == alone  # the call's groups and their threads: gone
     assert codes == [0, 0]  # the default group's too, when the pool closed
 
@@ -148,7 +142,7 @@ def test_late_dcp_import_does_not_keep_the_default_group_alive():
     try:
         assert pool.run(_import_dcp_and_fsdp_late) == [2, 2]
     finally:
-        codes = _end(pool)
+        codes = pool.close()
     assert codes == [0, 0]
 
 
@@ -157,5 +151,5 @@ def test_a_group_kept_alive_is_reported_when_the_worker_ends():
     try:
         pool.run(_groups_left_behind, True)
     finally:
-        codes = _end(pool)
+        codes = pool.close()
     assert codes == [3, 3]

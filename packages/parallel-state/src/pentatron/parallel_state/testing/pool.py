@@ -272,7 +272,9 @@ class RankPool:
 
     def _ask_to_stop(self) -> None:
         """Each rank ends its loop, shuts its groups down and exits (not waited for here)."""
-        for q in self._tasks if self._procs else []:
+        if not self._procs:  # never started (no task queues) or already closed
+            return
+        for q in self._tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
 
