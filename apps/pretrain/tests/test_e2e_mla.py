@@ -1,4 +1,4 @@
-"""Multi-latent attention through the app (Megatron's flags): 10 steps of a DeepSeek-like
+"""Multi-latent attention through the app (Megatron's flags): 6 steps of a DeepSeek-like
 tiny model (MLA with a q latent and the latent norms, a dense first layer then MoE layers
 with a shared expert) give the losses and grad norms (before clipping, every rank) of one
 process at tp2-pp2-dp2 with SP and the distributed optimizer, at tp2-ep2 with SP, and at
@@ -32,7 +32,7 @@ MLA += ["--qk-layernorm", "--transformer-impl", "local"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
 MOE += ["--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32"]
 MOE += ["--moe-aux-loss-coeff", "0.01"]
-COMMON = [*TINY_GPT, *MLA, *MOE, "--train-iters", "10", "--seed", "9"]
+COMMON = [*TINY_GPT, *MLA, *MOE, "--train-iters", "6", "--seed", "9"]
 LAYOUTS = {
     "tp2-pp2-dp2-sp-distopt": [*TP2_PP2, "--sequence-parallel", "--use-distributed-optimizer"],
     "tp2-ep2-sp": [
@@ -80,12 +80,12 @@ def test_aux_loss_grads_not_scaled_by_cp_are_caught(distributed, reference):
 def test_mla_checkpoint_resumes_at_another_layout(distributed, reference, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     layout = LAYOUTS["tp2-pp2-dp2-sp-distopt"]
-    save = [*COMMON, *layout, "--save", ckpt, "--save-interval", "6", "--exit-interval", "6"]
+    save = [*COMMON, *layout, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
     distributed.run(8, train, save)
-    resume = [*COMMON, "--use-distributed-optimizer", "--load", ckpt, "--exit-interval", "8"]
+    resume = [*COMMON, "--use-distributed-optimizer", "--load", ckpt, "--exit-interval", "5"]
     for losses in last_stage(distributed.run(4, train, resume), count=4):
         torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(reference["losses"][6:8]), rtol=1e-5, atol=0.0
+            torch.tensor(losses), torch.tensor(reference["losses"][3:5]), rtol=1e-5, atol=0.0
         )
 
 
