@@ -36,7 +36,8 @@ from test_e2e_mla import MLA, MOE  # the DeepSeek-like tiny model's flags
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 STEPS = ["--train-iters", "6", "--seed", "9"]
 DEEPSEEK = [*TINY_GPT, *MLA, *MOE, *MTP, *STEPS]
-DENSE = [*TINY_GPT, *MTP, *STEPS, "--transformer-impl", "local"]
+# Global batch 8: 4 micro-batches at cp2-tp2 (dp 1), 2 at pp2-dp2 (per-token).
+DENSE = [*TINY_GPT, *MTP, *STEPS, "--transformer-impl", "local", "--global-batch-size", "8"]
 PER_TOKEN = [*DENSE, "--calculate-per-token-loss"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 CASES = {  # name: (reference flags, layout flags, world)
