@@ -278,7 +278,7 @@ def _destroy_all(grid: ProcessGrid | None, default_group: bool) -> None:
     if "torch._dynamo" in sys.modules:
         _forget_compiled_code()
     if default_group:  # objects in reference cycles may still hold groups (~0.1 s: only at the end)
-        gc.collect()
+        _collect_all()
     destroy_model_parallel(grid)
     destroy_model_parallel()  # the default grid, if it is another one
     for group in list(comm._GROUP_NAMES):
@@ -289,7 +289,7 @@ def _destroy_all(grid: ProcessGrid | None, default_group: bool) -> None:
     if default_group and dist.is_initialized():
         _release_device_meshes()
         dist.destroy_process_group()  # the default group, and any unnamed group left
-        gc.collect()
+        _collect_all()
 
 
 def _forget_compiled_code() -> None:
@@ -297,13 +297,24 @@ def _forget_compiled_code() -> None:
     (the traced graph keeps it as an example value), or the group's gloo threads outlive
     it (`--compile` on CPU warned at every exit). Dynamo keeps each compiled function twice:
     in its caches, which `reset()` clears, and as a global `__compiled_fn_<n>_<uuid>` of
-    the module whose function it compiled, which `reset()` leaves. Both go."""
+    the module whose function it compiled, which `reset()` leaves. Both go: the global is
+    set to None, not deleted, since Dynamo deletes the name itself once the compiled code
+    is freed (and printed a KeyError per compiled function at exit when it was gone)."""
     torch._dynamo.reset()
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict):
             for name in [k for k in namespace if str(k).startswith("__compiled_fn_")]:
-                del namespace[name]
+                namespace[name] = None
+
+
+def _collect_all(passes: int = 5) -> None:
+    """gc until a pass finds nothing: freeing one cycle can release C++ objects (autograd
+    nodes) whose Python objects form the next one (full recomputation under --compile
+    needed a second pass before its layers, and their groups, were gone)."""
+    for _ in range(passes):
+        if not gc.collect():
+            return
 
 
 def _release_device_meshes() -> None:
