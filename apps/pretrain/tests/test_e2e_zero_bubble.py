@@ -30,7 +30,6 @@ from test_e2e_moe import MOE
 
 STEPS, RTOL = 6, 1e-6
 COMMON = [*TINY_GPT, "--train-iters", str(STEPS), "--seed", "7"]
-MOE_STEPS = [*MOE, "--train-iters", str(STEPS)]  # the MoE GPT of test_e2e_moe, STEPS steps
 ZB = ["--pipeline-schedule", "zb-h1"]
 LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
@@ -70,7 +69,7 @@ def test_zb_h1_matches_one_process(distributed, reference, layout):
 def test_zb_h1_moe_pp2_ep2_matches_one_process(distributed, experts):
     """The experts' weights and biases (the grouped GEMM's added by `experts_bias`) wait
     for W."""
-    moe = MOE_STEPS + (["--moe-grouped-gemm"] if experts == "grouped" else [])
+    moe = MOE + (["--moe-grouped-gemm"] if experts == "grouped" else [])
     reference = distributed.run(1, train_record, moe)[0]
     layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     per_rank = distributed.run(4, train_record, moe + layout + ZB)
@@ -123,7 +122,7 @@ def test_zbv_weight_gradient_after_the_reduction_fails(distributed):
 
 
 def test_zbv_moe_pp2_ep2_matches_one_process(distributed):
-    untied = [*MOE_STEPS, "--untie-embeddings-and-output-weights"]
+    untied = [*MOE, "--untie-embeddings-and-output-weights"]
     reference = distributed.run(1, train_record, untied)[0]
     layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     per_rank = distributed.run(4, train_record, untied + layout + ZBV)
