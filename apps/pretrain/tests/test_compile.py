@@ -167,6 +167,45 @@ def test_inductor_compiles_all_layers_into_one_graph(distributed):
     assert (compiled["graph_breaks"], compiled["frames"], compiled["graphs"]) == (0, 1, 1)
 
 
+BF16 = [*COMMON, "--bf16", "--train-iters", "3", "--tensor-model-parallel-size", "2"]
+BF16 += ["--sequence-parallel", "--use-distributed-optimizer"]
+
+
+def _train_dw_returned(argv: list[str]) -> dict:
+    """`_train` with tp-layers' compiled path before 0.1.8 planted: a traced backward
+    returns dW (bf16 under --bf16) for DDP's hook to add to main_grad."""
+    from pentatron.tp_layers.layers import linear
+
+    fused = linear._weight_grad
+
+    def returned(weight, grad_2d, input_2d, fuse, traced=False):
+        return grad_2d.t().matmul(input_2d) if traced else fused(weight, grad_2d, input_2d, fuse)
+
+    linear._weight_grad = returned
+    try:
+        return _train(argv)
+    finally:
+        linear._weight_grad = fused
+
+
+def test_compiled_bf16_layers_accumulate_dw_in_fp32_as_eager_ones(distributed):
+    """--bf16 at tp2 with SP and ZeRO-1, 8 micro-batches a step: the compiled layers
+    accumulate each micro-batch's dW into the fp32 main_grad with eager's kernel (an
+    operator of the traced backward), so losses and grad norms equal eager's (measured
+    equal; rtol 1e-6). Handing dW to DDP's hook in bf16 instead, as compiled layers did,
+    rounds every micro-batch's dW: the grad norm is then off by 4.9e-4 (step 3), which
+    this comparison catches (planted)."""
+    eager = distributed.run(2, _train, BF16)
+    compiled = distributed.run(2, _train, BF16 + AOT)
+    planted = distributed.run(2, _train_dw_returned, BF16 + AOT)
+    assert eager[0]["train"][-1][0] < eager[0]["train"][0][0]  # it learns
+    for c, e in zip(compiled, eager):
+        assert c["compiled"] == [True] * 4 and c["graph_breaks"] == 0, c
+        _assert_close(c, e, rtol=1e-6)
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        _assert_close(planted[0], eager[0], rtol=1e-6)
+
+
 REFUSED = {
     "cuda-graphs": (["--enable-cuda-graph", "--hidden-dropout", "0"], 1, "enable-cuda-graph"),
     "te": (["--transformer-impl", "transformer_engine"], 1, "transformer-impl"),

@@ -18,9 +18,10 @@ eagerly), which we therefore leave alone.
 What the packages do under Dynamo (`torch.compiler.is_compiling()`), so that a layer is
 one graph with no breaks at every tensor-parallel size, with or without sequence
 parallelism:
-- tp-layers' linears return the weight gradient instead of accumulating it into
-  `weight.main_grad` (a traced backward cannot write to a tensor outside the graph); DDP's
-  post-accumulate-grad hook adds it to `main_grad`, as for any unfused parameter;
+- tp-layers' linears accumulate the weight gradient into `weight.main_grad` through one
+  operator of the traced backward (`weight_grad_into_main_grad`, opaque to the compiler:
+  a traced backward can neither write a tensor outside its graph nor set DDP's flag), with
+  eager's kernel, so `main_grad` is eager's, in fp32 under --bf16;
 - `parallel_state.comm` issues an `async_op=True` collective synchronously and returns a
   completed handle: Dynamo traces only synchronous collectives (as functional collectives,
   whose waits the compiler places), and the linears' backward overlap is the compiler's;

@@ -10,7 +10,9 @@ Weight-gradient accumulation fusion: when enabled and the weight has a `main_gra
 (set by a DDP wrapper, usually fp32), the weight gradient is accumulated straight into
 `main_grad` in its dtype and `weight.grad` stays unset, which saves one gradient-sized
 buffer and one addition per micro-batch. The GEMM runs in the activations' dtype (bf16 on
-tensor cores) and sums in `main_grad`'s fp32 (`wgrad.accumulate_weight_grad`).
+tensor cores) and sums in `main_grad`'s fp32 (`wgrad.accumulate_weight_grad`). Under
+torch.compile the same accumulation runs as one opaque operator of the traced backward
+(`weight_grad_into_main_grad`), so a compiled layer's `main_grad` is the eager one's.
 
 Split backward: inside a `WeightGradStore.defer()` (zero-bubble pipeline schedules) the
 backward computes only the input gradient and queues the weight and bias gradients, which
@@ -52,12 +54,19 @@ def _start_dgrad_collective(
 
 
 def _weight_grad(
-    weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor, fuse: bool
+    weight: torch.Tensor,
+    grad_2d: torch.Tensor,
+    input_2d: torch.Tensor,
+    fuse: bool,
+    traced: bool = False,
 ) -> torch.Tensor | None:
     """`dW = dY^T X`, either returned or accumulated into `weight.main_grad` (in the
-    operands' dtype on tensor cores, summed in main_grad's fp32: see `wgrad`)."""
+    operands' dtype on tensor cores, summed in main_grad's fp32: see `wgrad`); `traced`: in
+    a backward torch.compile traces (the accumulation as one operator, below)."""
     if not fuse:
         return grad_2d.t().matmul(input_2d)
+    if traced:
+        return weight_grad_into_main_grad(weight, grad_2d, input_2d)
     # torch stubs lack DDP's .main_grad
     accumulate_weight_grad(weight.main_grad, grad_2d, input_2d)  # type: ignore[attr-defined]
     if hasattr(weight, "grad_added_to_main_grad"):
@@ -65,6 +74,33 @@ def _weight_grad(
         weight.grad_added_to_main_grad = True
         return placeholder_grad(weight)
     return None
+
+
+@torch.library.custom_op("pentatron_tp_layers::weight_grad_into_main_grad", mutates_args=())
+def weight_grad_into_main_grad(
+    weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor
+) -> torch.Tensor:
+    """The fused weight gradient as a torch operator, for a backward that torch.compile
+    traces: `weight.main_grad += grad_2d^T @ input_2d` with the eager kernel, the weight
+    flagged for DDP's hook, and the placeholder gradient returned.
+
+    A traced backward can neither write a tensor outside its graph nor set an attribute; an
+    operator is opaque to the compiler and runs at run time on the parameter object itself,
+    so it does what the eager backward does. Its placeholder output is handed to autograd,
+    which keeps the call from being removed as dead code. Used only for a weight with a DDP
+    wrapper's `grad_added_to_main_grad` (without it the fused path returns no gradient, and
+    an operator without a used output would be dropped).
+    """
+    grad = _weight_grad(weight, grad_2d, input_2d, fuse=True)
+    assert grad is not None  # the weight has grad_added_to_main_grad (see the docstring)
+    return grad
+
+
+@weight_grad_into_main_grad.register_fake
+def _weight_grad_into_main_grad_fake(
+    weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_like(weight)
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -91,6 +127,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.bias = bias  # likewise, for a deferred W (weight_grad_store)
         ctx.use_bias = bias is not None
         ctx.fuse = gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        # Traced by torch.compile: fuse only where the operator can (DDP's flag, see
+        # `weight_grad_into_main_grad`); otherwise dW is returned like an unfused layer's.
+        ctx.traced = torch.compiler.is_compiling()
+        ctx.fuse = ctx.fuse and (not ctx.traced or hasattr(weight, "grad_added_to_main_grad"))
         ctx.allreduce = allreduce_dgrad and group_size(group) > 1
         ctx.sequence_parallel, ctx.regather, ctx.group = sequence_parallel, regather_input, group
         out = torch.matmul(total, weight.t())
@@ -119,7 +159,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             input_2d = total.reshape(-1, total.size(-1))
-            grad_w = _weight_grad(ctx.weight, grad_2d, input_2d, ctx.fuse)
+            grad_w = _weight_grad(ctx.weight, grad_2d, input_2d, ctx.fuse, ctx.traced)
         grad_b = grad_2d.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         if dgrad_handle is not None:
             dgrad_handle.wait()
@@ -185,8 +225,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
         x,
         weight,
         bias,
-        # torch.compile cannot trace a backward that writes main_grad: return dW instead
-        gradient_accumulation_fusion and not torch.compiler.is_compiling(),
+        gradient_accumulation_fusion,
         allreduce_dgrad,
         sequence_parallel,
         tp_group,
