@@ -1,18 +1,20 @@
 """FSDP2 (`apply_fsdp2`) at dp=2 vs one process on the concatenated batch, torch AdamW.
 
 Every step of every case compares the grads FSDP2 reduce-scattered (the ranks' shards
-joined) with plain torch autograd of the whole batch at the same params, and the final
+joined) with plain torch autograd of the whole batch at the same params (||got - ref|| over
+||ref||, per param), and the final
 params with one process trained on the whole batch. Adam is scale-invariant, so the params
 alone would pass a gradient scaled by a constant; the grads do not
 (`test_a_planted_bug_fails_the_comparison`). Layer sizes are odd, so FSDP2 pads its shards.
 
-Tolerances, about 10x the largest error measured on 2026-12-05 (both ranks, every case and
-step; PENTATRON_MEASURE=1 prints them):
-- fp32: grads GRAD_RTOL = 2e-6 as max |got - ref| / max |ref| of the param (measured
-  1.9e-7); params PARAM_TOL = 3e-7 absolute and relative (measured 3.0e-8 absolute).
-- bf16 compute (`param_dtype=torch.bfloat16`, fp32 sharded params and fp32 reduce-scatter)
-  vs fp32 at the same params: grads BF16_GRAD_RTOL = 0.2 (measured 3.6e-2, bf16 compute;
-  5.5x); params vs the fp32 reference BF16_PARAM_TOL = 5e-3 (measured 5.2e-4); every param
+Tolerances, from the largest error measured on 2026-12-05 and, for the grads, 2026-12-07
+(both ranks, every case and step; PENTATRON_MEASURE=1 prints them):
+- fp32: grads GRAD_RTOL = 2e-6 (measured 2.5e-7); params PARAM_TOL = 3e-7 absolute and
+  relative (measured 3.0e-8 absolute).
+- bf16 compute (`param_dtype=torch.bfloat16`, fp32 sharded params and fp32 reduce-scatter):
+  grads against the same bf16 computation of the whole batch BF16_GRAD_RTOL = 1e-2
+  (measured 3.7e-3; 2.7x; against fp32 they would differ by 3.3e-2, bf16's own error);
+  params vs the fp32 reference BF16_PARAM_TOL = 5e-3 (measured 5.2e-4); every param
   must have moved from its initial value by more than 3 x BF16_PARAM_TOL (measured at least
   2.3e-2), so an untrained run fails.
 - FSDP2Optimizer (fp32, clipping every step): grad norms before clipping NORM_RTOL = 1e-6
@@ -33,7 +35,7 @@ from pentatron.parallel_state import ParallelConfig, initialize_model_parallel
 
 STEPS, BATCH, LR, WD = 3, 8, 1e-2, 0.1
 GRAD_RTOL, PARAM_TOL, NORM_RTOL = 2e-6, 3e-7, 1e-6
-BF16_GRAD_RTOL, BF16_PARAM_TOL = 0.2, 5e-3
+BF16_GRAD_RTOL, BF16_PARAM_TOL = 1e-2, 5e-3
 MEASURE = os.environ.get("PENTATRON_MEASURE") == "1"
 
 
@@ -82,15 +84,16 @@ def reference():
     return [p.detach().clone() for p in model.parameters()]
 
 
-def reference_grads(params, step):
-    """Plain torch: fp32 autograd of the whole batch's mean loss at `params` (a list)."""
-    model = make_model()
+def reference_grads(params, step, dtype=torch.float32):
+    """Plain torch: autograd of the whole batch's mean loss at `params` (a list), the model
+    and input in `dtype` (FSDP2's `param_dtype` casts both), the grads returned in fp32."""
+    model = make_model().to(dtype)
     with torch.no_grad():
         for p, v in zip(model.parameters(), params):
             p.copy_(v)
     x, y = batch(step)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad for p in model.parameters()]
+    torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+    return [p.grad.float() for p in model.parameters()]
 
 
 def microbatch_loss(loss, micro):
@@ -161,15 +164,17 @@ def check_against_reference(case, per_rank, ref, errors=None):
     param_tol = BF16_PARAM_TOL if bf16 else PARAM_TOL
     errors = {} if errors is None else errors
     for step in range(len(per_rank[0]["grads"])):
-        expect = reference_grads(_joined(got["before"][step] for got in per_rank), step)
+        # bf16: the grads of the same bf16 computation on the whole batch the ranks split
+        params = _joined(got["before"][step] for got in per_rank)
+        expect = reference_grads(params, step, torch.bfloat16 if bf16 else torch.float32)
         grads = _joined(got["grads"][step] for got in per_rank)
         for i, (grad, ref_grad) in enumerate(zip(grads, expect)):
-            err = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
+            err = float((grad - ref_grad).norm() / ref_grad.norm())
             errors["grad"] = max(errors.get("grad", 0.0), err)
             if err > grad_rtol:
                 raise AssertionError(
-                    f"grads differ: {case} step {step} param {i}: max |got - ref| / "
-                    f"max |ref| = {err:.3g} > {grad_rtol}"
+                    f"grads differ: {case} step {step} param {i}: ||got - ref|| / "
+                    f"||ref|| = {err:.3g} > {grad_rtol}"
                 )
     if ref is None:  # a short run: grads only
         return errors
