@@ -144,6 +144,34 @@ def test_the_walk_sees_the_moe_table_and_misses_a_planted_flag():
     assert "planted_flag_nobody_reads" not in read
 
 
+def test_every_flag_of_the_noted_table_names_itself_when_passed():
+    """The walk counts the compat table's flags as read (Megatron's fusions we run unfused or
+    inside SDPA, deprecated switches): they change nothing here, so each must say so.
+    Every option string that moves one of them off Megatron's default prints a start-up
+    note naming the flag; without it, no such note."""
+    from pentatron.pretrain import arguments_compat
+
+    quiet = _args().startup_notes
+    options: dict[str, set[str]] = {}
+    for action in build_parser()._actions:
+        options.setdefault(action.dest, set()).update(action.option_strings)
+    named = set()
+    for action in build_parser()._actions:
+        if action.dest not in arguments_compat._NOTED or action.nargs != 0:
+            continue
+        is_set = arguments_compat._NOTED[action.dest][0]
+        flags = options[action.dest]
+        assert not [n for n in quiet if n.split(":")[0] in flags], (action.dest, quiet)
+        for opt in action.option_strings:
+            args = _args(opt)
+            if not is_set(getattr(args, action.dest)):
+                continue  # the flag that keeps Megatron's default (--masked-softmax-fusion)
+            notes = [n for n in args.startup_notes if n.split(":")[0] in flags]
+            assert len(notes) == 1, (opt, args.startup_notes)
+            named.add(action.dest)
+    assert named == set(arguments_compat._NOTED)
+
+
 # ----------------------------------------------------------------------------------------
 # Flags that were accepted but not read.
 
