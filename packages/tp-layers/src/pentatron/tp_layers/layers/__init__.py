@@ -1,6 +1,7 @@
 """Column- and row-parallel linear layers and the matmul they share."""
 
 from .column import ColumnParallelLinear
+from .duplicated import DuplicatedLinear
 from .linear import (
     LinearWithGradAccumulationAndAsyncCommunication,
     linear_with_grad_accumulation_and_async_allreduce,
@@ -20,6 +21,7 @@ from .wgrad import accumulate_weight_grad, placeholder_grad, wgrad_kernel
 __all__ = [
     "ColumnParallelLinear",
     "DeferredWeightGrad",
+    "DuplicatedLinear",
     "LayerNormColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
