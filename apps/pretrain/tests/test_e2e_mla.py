@@ -4,7 +4,8 @@ with a shared expert) give the losses and grad norms (before clipping, every ran
 process at tp2-pp2-dp2 with SP and the distributed optimizer, at tp2-ep2 with SP, and at
 cp2-tp2 with SP (a2a; the cp kernels carry V zero-padded to q/k's head dim) (fp32, rtol
 1e-6: the order of sums only). A checkpoint saved at tp2-pp2-dp2 resumes at
-tp1-pp1-dp4 with the same next losses (the MLA weights reshard like any column)."""
+tp1-pp1-dp4 with the same next losses (the up-projections reshard like any column, the
+duplicated down-projections are whole on every rank)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,11 @@
   fails these; `test_k_pe_gradient_sum_is_needed` plants it.
 - Context parallelism: cp2-tp2+SP with each cp_comm_type gives one process's losses and
   gradients (V zero-padded to q/k's head dim for the cp kernels).
-- Bad input: MLA with non-RoPE positions, a down-projection tp does not divide, or the
-  standard spec, fails naming the field.
+- Communication: the down-projections are duplicated over tp (Megatron's TE layout), so the
+  block never gathers the hidden states (collectives counted at tp2 with and without SP),
+  and latent ranks tp does not divide work (parity at tp4+SP).
+- Bad input: MLA with non-RoPE positions, a YaRN factor below 1, a row-split down-projection,
+  or the standard spec, fails naming the field.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _gpt import MLA, TOL, VOCAB, microbatches, reference_run, small_config
+from _gpt import MLA, TOL, VOCAB, B, S, microbatches, reference_run, small_config
 from test_parity import _all_layouts, _merged_grads, assert_matches_reference
 
 from pentatron.models import (
@@ -33,6 +36,7 @@ from pentatron.models import (
     get_gpt_layer_local_spec,
     mla,
 )
+from pentatron.tp_layers import ColumnParallelLinear
 
 LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
     (2, 1, None, False, True, "mla"),
@@ -227,13 +231,29 @@ def test_k_pe_gradient_sum_is_needed(distributed):
     ("overrides", "field"),
     [
         ({"position_embedding_type": "learned_absolute"}, "position_embedding_type"),
-        ({"tensor_model_parallel_size": 4, "kv_lora_rank": 10}, "kv_lora_rank"),
-        ({"q_lora_rank": 18, "tensor_model_parallel_size": 4}, "q_lora_rank"),
+        ({"rotary_scaling_factor": 0.5}, "rotary_scaling_factor"),
     ],
 )
 def test_unsupported_combinations_fail_naming_the_field(overrides, field):
     with pytest.raises(ModelConfigError, match=field):
         _config(**overrides)
+
+
+def test_latent_ranks_need_not_divide_by_tp(distributed):
+    """Nothing splits the down-projections: q_lora_rank 18 and kv_lora_rank 10 at tp4+SP
+    (which row-split down-projections would refuse) give one process's losses and grads."""
+    base, data = _config(q_lora_rank=18, kv_lora_rank=10), microbatches()
+    state, ref_losses, ref_grads = reference_run(base, data)
+    layout = (4, 1, None, True, True, "mla")
+    per_rank = distributed.run(4, _all_layouts, base, [layout], {True: state}, data)
+    assert_matches_reference(base, [r[0] for r in per_rank], layout, ref_losses, ref_grads)
+
+
+def test_a_row_split_down_projection_is_refused():
+    spec = get_gpt_layer_local_spec(True, True)
+    spec.submodules.self_attention.submodules.linear_kv_down_proj = ColumnParallelLinear
+    with pytest.raises(ModelConfigError, match=r"linear_kv_down_proj=ColumnParallelLinear.*fix"):
+        GPTModel(_config(), spec, VOCAB, 16)
 
 
 def test_the_standard_spec_refuses_an_mla_config():
@@ -330,3 +350,65 @@ def test_cp2_tp2_sp_matches_one_process(mla_cp, kind):
     for name, ref in ref_grads.items():
         got = merge_shards(name, [r[1][name] for r in tp_ranks], config=config)
         torch.testing.assert_close(got[: ref.size(0)], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- communication -----------------------------------------------------------------------
+
+
+def _attention_collectives(sequence_parallel: bool) -> dict[str, list]:
+    """One MLA block at tp2 (no RoPE: it adds no collective), forward then backward; the
+    payload elements of each tp collective, by pass."""
+    from pentatron.models.spec import build_module
+    from pentatron.parallel_state import (
+        ParallelConfig,
+        comm,
+        destroy_model_parallel,
+        initialize_model_parallel,
+    )
+
+    grid = initialize_model_parallel(ParallelConfig(tp=2))
+    try:
+        config = _config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+        spec = get_gpt_layer_local_spec(True, True).submodules.self_attention
+        attn = build_module(spec, config, layer_number=1, tp_group=grid.group("tp"), tp_size=2)
+        s = S // 2 if sequence_parallel else S
+        x = torch.randn(s, B, config.hidden_size, requires_grad=True)
+        with comm.trace() as forward:
+            out, _ = attn(x)
+        with comm.trace() as backward:
+            out.square().sum().backward()
+        return {
+            name: sorted((r.op, r.elements) for r in ledger.records if r.group == "tp")
+            for name, ledger in (("forward", forward), ("backward", backward))
+        }
+    finally:
+        destroy_model_parallel(grid)
+
+
+def _both(_=None):
+    return {sp: _attention_collectives(sp) for sp in (True, False)}
+
+
+def test_the_down_projections_communicate_no_hidden_states(distributed):
+    """The duplicated down-projections need no collective: the block's tp traffic is k_pe,
+    the two latents and linear_proj's, whose [s, b, h] reduce (and, under SP, its grad's
+    all-gather) any attention has. Megatron's local spec (row-split down-projections) adds
+    per layer two all-gathers of the hidden states under SP (two all-reduces of their
+    grad without) and the latents' gathers over tp. Elements per rank's call, tp2."""
+    c = _config()
+    h, d_pe, r_q, r_kv = c.hidden_size, c.qk_pos_emb_head_dim, c.q_lora_rank, c.kv_lora_rank
+    sb, sb_ = S * B, S // 2 * B  # full sequence, this rank's under SP
+    got = distributed.run(2, _both)[0]
+    assert got[True] == {
+        "forward": sorted(
+            [*(("all_gather", sb_ * n) for n in (d_pe, r_kv, r_q)), ("reduce_scatter", sb * h)]
+        ),
+        "backward": sorted(  # the latents gathered again for the up-projections' dW
+            [("all_gather", sb_ * r_kv), ("all_gather", sb_ * r_q), ("all_gather", sb_ * h)]
+            + [("reduce_scatter", sb * n) for n in (d_pe, r_kv, r_q)]
+        ),
+    }
+    assert got[False] == {
+        "forward": [("all_reduce", sb * h)],
+        "backward": sorted(("all_reduce", sb * n) for n in (d_pe, r_kv, r_q)),
+    }

@@ -9,7 +9,7 @@ layout names the fused norms as Megatron does (`linear_qkv.layer_norm_weight`);
 
 from __future__ import annotations
 
-from pentatron.tp_layers import ColumnParallelLinear, RowParallelLinear
+from pentatron.tp_layers import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear
 
 from .attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from .mla import MLASelfAttention, MLASelfAttentionSubmodules
@@ -29,7 +29,8 @@ def get_gpt_layer_local_spec(
     only when `config.qk_layernorm` is set. Layers that `config.moe_layer_pattern()` marks
     build `moe_mlp` (MoELayer: TopKRouter, experts by `moe_grouped_gemm`) instead of `mlp`.
     `multi_latent_attention`: MLASelfAttention (see mla.py; its latent norms are the q/k
-    norms, as Megatron's) for a config with `multi_latent_attention=True`.
+    norms, as Megatron's; its down-projections duplicated over tp, as Megatron's
+    transformer-engine spec builds them) for a config with `multi_latent_attention=True`.
     """
     qk_norm = Norm if qk_layernorm else None
     attention = ModuleSpec(
@@ -47,9 +48,9 @@ def get_gpt_layer_local_spec(
             module=MLASelfAttention,
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=ColumnParallelLinear,
-                linear_q_down_proj=ColumnParallelLinear,
+                linear_q_down_proj=DuplicatedLinear,
                 linear_q_up_proj=ColumnParallelLinear,
-                linear_kv_down_proj=ColumnParallelLinear,
+                linear_kv_down_proj=DuplicatedLinear,
                 linear_kv_up_proj=ColumnParallelLinear,
                 core_attention=DotProductAttention,
                 linear_proj=RowParallelLinear,

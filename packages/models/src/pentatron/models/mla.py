@@ -5,12 +5,12 @@ v_head_dim, r_q = q_lora_rank, r_kv = kv_lora_rank:
 
     x [s, b, h] (SP: [s/t, b, h])
     q:  r_q None: linear_q_proj (column) -> [s, b, n/t (d_qk + d_pe)]
-        else: linear_q_down_proj (column: rows over tp) -> all-gather(tp) -> [s, b, r_q]
-              (SP: keep [s/t]) -> q_layernorm -> linear_q_up_proj (column) -> as above
-    kv: linear_kv_down_proj (column) -> all-gather(tp) -> [s, b, r_kv + d_pe]
-        latent [s, b, r_kv] (SP: keep [s/t]) -> kv_layernorm -> linear_kv_up_proj (column)
+        else: linear_q_down_proj (duplicated) -> [s, b, r_q] (SP: [s/t, b, r_q])
+              -> q_layernorm -> linear_q_up_proj (column; SP: all-gathers r_q) -> as above
+    kv: linear_kv_down_proj (duplicated) -> [s, b, r_kv + d_pe] (SP: [s/t, ...])
+        latent [s(/t), b, r_kv] -> kv_layernorm -> linear_kv_up_proj (column)
           -> k_nope [s, b, n/t, d_qk], v [s, b, n/t, d_v]
-        k_pe [s, b, 1, d_pe]: one for every head
+        k_pe [s, b, 1, d_pe] (SP: all-gathered over tp): one for every head
     RoPE on q_pe, k_pe (their dims de-interleaved first: DeepSeek's pairs (2i, 2i+1), as
     Megatron's `mla_rotary_interleaved` and transformers' `rope_interleave`)
     q = [q_nope, q_pe], k = [k_nope, k_pe] -> causal SDPA, scale 1/sqrt(d_qk + d_pe)
@@ -18,12 +18,18 @@ v_head_dim, r_q = q_lora_rank, r_kv = kv_lora_rank:
       the scale times mscale(factor, mscale_all_dim)^2)
       -> [s, b, n/t d_v] -> linear_proj (row: all-reduce, SP reduce-scatter) -> [s, b, h]
 
-The down-projections split by rows and all-gathered equal one replicated linear (Megatron's
-local spec; its weights shard like any column). Every rank's heads use the same k_pe, so
-its gradient is summed over tp (`copy_to_tensor_model_parallel_region`) before it reaches
-the down-projection; the latents' gradients are summed by the up-projections' backward.
-Under SP the latent norms see this rank's tokens only, so their weights are marked
-sequence-parallel (grads all-reduced over tp, as Megatron's).
+The down-projections are duplicated over tp (tp-layers' `DuplicatedLinear`: the whole weight
+on every rank), as Megatron's transformer-engine spec builds them (`TELinear`,
+`parallel_mode="duplicated"`), its default: no all-gather of the hidden states, which are
+far wider than the latents (DeepSeek-V3: 7168 against 1536 and 576); under SP only k_pe
+(d_pe wide) is gathered, and the up-projections gather their latents as any column layer.
+(Megatron's local spec splits them by rows and gathers the hidden states twice per layer
+under SP, then the latents; the same math.) Every rank's heads use the same k_pe, so its
+gradient is summed over tp (`copy_to_tensor_model_parallel_region`; under SP the gather's
+reduce-scatter) before it reaches the down-projection; the latents' gradients are summed by
+the up-projections' backward. Under SP the latent norms and the down-projections see this
+rank's tokens only, so their weights are marked sequence-parallel (grads all-reduced over
+tp, as Megatron's).
 """
 
 from __future__ import annotations
@@ -38,8 +44,7 @@ from pentatron.tp_layers import (
     checkpoint,
     copy_to_tensor_model_parallel_region,
     divide,
-    gather_from_tensor_model_parallel_region,
-    scatter_to_sequence_parallel_region,
+    gather_from_sequence_parallel_region,
 )
 
 from .config import ModelConfigError, TransformerConfig
@@ -128,6 +133,7 @@ class MLASelfAttention(torch.nn.Module):
             submodules.linear_kv_up_proj, r_kv, n * (self.d_qk + self.d_v)
         )
         self.kv_layernorm = self._norm(submodules.kv_layernorm, r_kv)
+        self._check_duplicated()
         self.core_attention = build_module(
             submodules.core_attention,
             config,
@@ -155,26 +161,36 @@ class MLASelfAttention(torch.nn.Module):
             return None
         return build_module(spec, self.config, size)  # SP-marked under SP (see module doc)
 
-    def _latent(self, down: Any, x: torch.Tensor) -> torch.Tensor:
-        """`[s(/t), b, h]` -> the whole down-projection `[s, b, r]` on every tp rank."""
-        z, _ = down(x)  # [s, b, r/t] (SP: its input all-gathered over the sequence)
-        return gather_from_tensor_model_parallel_region(z, self.tp_group)
+    def _check_duplicated(self) -> None:
+        downs = {"linear_kv_down_proj": self.linear_kv_down_proj}
+        if self.config.q_lora_rank is not None:
+            downs["linear_q_down_proj"] = self.linear_q_down_proj
+        for name, down in downs.items():
+            if not getattr(down, "duplicated", False):
+                raise ModelConfigError(
+                    f"MLASelfAttentionSubmodules.{name}={type(down).__name__}: the rule: the "
+                    "down-projections are duplicated over tp (the whole weight on every rank, "
+                    "what checkpoints and conversion expect); fix: DuplicatedLinear"
+                )
 
-    def _to_norm(self, latent: torch.Tensor, norm: Any) -> torch.Tensor:
-        if self.config.sequence_parallel:  # back to this rank's tokens, as x was
-            latent = scatter_to_sequence_parallel_region(latent, self.tp_group)
+    @staticmethod
+    def _norm_of(latent: torch.Tensor, norm: Any) -> torch.Tensor:
         return latent if norm is None else norm(latent)
 
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[s(/t), b, h]` -> the up-projections' inputs: q's (its normed latent, or x),
-        kv's normed latent (SP: `[s/t, ...]`), and k_pe `[s, b, 1, d_pe]` before RoPE."""
+        kv's normed latent (both `[s(/t), b, r]`: this rank's tokens under SP), and k_pe
+        `[s, b, 1, d_pe]` before RoPE."""
         q_in = x
         if self.config.q_lora_rank is not None:
-            q_in = self._to_norm(self._latent(self.linear_q_down_proj, x), self.q_layernorm)
-        combined = self._latent(self.linear_kv_down_proj, x)
+            q_in = self._norm_of(self.linear_q_down_proj(x)[0], self.q_layernorm)
+        combined, _ = self.linear_kv_down_proj(x)
         latent, k_pe = torch.split(combined, [self.config.kv_lora_rank, self.d_pe], dim=-1)
-        k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp_group)  # grad: sum over tp
-        return q_in, self._to_norm(latent, self.kv_layernorm), k_pe.unsqueeze(2)
+        if self.config.sequence_parallel:  # every token's k_pe; grad: reduce-scattered (summed)
+            k_pe = gather_from_sequence_parallel_region(k_pe.contiguous(), self.tp_group)
+        else:
+            k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp_group)  # grad: summed
+        return q_in, self._norm_of(latent, self.kv_layernorm), k_pe.unsqueeze(2)
 
     def up_and_rope(
         self, q_in: torch.Tensor, kv_in: torch.Tensor, k_pe: torch.Tensor, rotary: Any

@@ -10,7 +10,8 @@ Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
 | mlp.linear_fc1.weight/.bias (gelu)           | dim 0, contiguous  | rows r ffn/t ...         |
 | mlp.linear_fc1.weight/.bias (swiglu)         | dim 0, stride 2    | cat([gate_r, up_r])      |
 | self_attention.linear_proj.weight [h, nq d]  | dim 1              | columns r nq d/t ...     |
-| MLA: linear_q_proj, linear_{q,kv}_{down,up}_proj .weight | dim 0, contiguous | rows r out/t ... |
+| MLA: linear_q_proj, linear_{q,kv}_up_proj .weight | dim 0, contiguous | rows r out/t ... |
+| MLA: linear_{q,kv}_down_proj.weight          | replicated         | the full tensor          |
 | mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
 | MTP: mtp.layers.{k}.eh_proj.weight [h, 2h]   | dim 0, contiguous  | rows r h/t ...           |
 | norms, position embeddings, row biases       | replicated         | the full tensor          |
@@ -52,14 +53,14 @@ from .config import TransformerConfig
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 _COLUMN = re.compile(
-    r"\.(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
-    r"|linear_kv_down_proj|linear_kv_up_proj|eh_proj)\.(weight|bias)$"
+    r"\.(linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj|eh_proj)"
+    r"\.(weight|bias)$"
 )
 _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _REPLICATED = re.compile(
     r"(layernorm\.(weight|bias)|layer_norm_(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
     r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight"
-    r"|(enorm|hnorm)\.(weight|bias))$"
+    r"|(enorm|hnorm)\.(weight|bias)|(linear_q_down_proj|linear_kv_down_proj)\.weight)$"
 )
 # A layer's separate norm (local spec) -> the same norm fused into the next linear (TE spec).
 FUSED_NORMS = {

@@ -148,11 +148,12 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
 def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, int]:
     """(latent bytes, core-attention bytes) of one multi-latent attention layer (n = heads
     per tp rank, d_q = qk_head_dim + qk_pos_emb_head_dim, r_q / r_kv the latent ranks):
-    - the q latent as all-gathered over tp `e s b r_q` (under SP its norm keeps a view of
-      it); with the latent norms also their fp32 rstd `4 s'b` and the normed latent
-      `e s'b r_q` (the up-projection's input);
-    - the kv latent: a view of the down-projection's gathered output `e sb (r_kv + d_pe)`,
-      or under SP the sequence scatter's copy `e s'b r_kv`; with the norm its rstd and
+    - the q latent, the (duplicated) down-projection's output `e s'b r_q`, this rank's
+      tokens under SP (kept by its norm, or without the norms by the up-projection); with
+      the latent norms also their fp32 rstd `4 s'b` and the normed latent `e s'b r_q` (the
+      up-projection's input);
+    - the kv down-projection's output `e s'b (r_kv + d_pe)` (the latent and k_pe are views
+      of it; the norm or the up-projection keeps the latent); with the norm its rstd and
       output `e s'b r_kv`;
     - RoPE keeps only its cos / sin (and their 16-bit casts, added by the caller);
     - core attention on CUDA (the memory-efficient kernel, as flash needs one head dim for
@@ -168,12 +169,9 @@ def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, 
     sb, sb_, norms = s * b, s_ * b, c.qk_layernorm
     att = 0
     if c.q_lora_rank is not None:
-        att += e * sb * c.q_lora_rank + ((4 + e * c.q_lora_rank) * sb_ if norms else 0)
+        att += e * sb_ * c.q_lora_rank + ((4 + e * c.q_lora_rank) * sb_ if norms else 0)
     r_kv = c.kv_lora_rank
-    if c.sequence_parallel:
-        att += e * sb_ * r_kv
-    else:
-        att += e * sb * (r_kv + c.qk_pos_emb_head_dim)
+    att += e * sb_ * (r_kv + c.qk_pos_emb_head_dim)
     att += (4 + e * r_kv) * sb_ if norms else 0
     kv_up = e * sb * n * (c.qk_head_dim + c.v_head_dim)  # v is a view of it
     if c.recompute_granularity == "selective":

@@ -50,8 +50,9 @@ def _linear(name: str, out_f: int, in_f: int, bias: bool, expert=False) -> list[
 
 def _mla(plan: MemoryPlan, p: str) -> list[ParamSpec]:
     """MLASelfAttention, in construction order: q (direct, or down, up and the latent norm),
-    kv down (latent and k_pe rows), kv up, the kv latent norm, linear_proj; the linears
-    split by output rows over tp, linear_proj by its input columns (heads)."""
+    kv down (latent and k_pe rows), kv up, the kv latent norm, linear_proj; the
+    down-projections whole on every tp rank (duplicated), the other linears split by
+    output rows over tp, linear_proj by its input columns (heads)."""
     c, t, h = plan.config, plan.tp, plan.config.hidden_size
     n, q_out = (
         c.num_attention_heads,
@@ -62,11 +63,11 @@ def _mla(plan: MemoryPlan, p: str) -> list[ParamSpec]:
         out = _linear(f"{p}.linear_q_proj", q_out // t, h, False)
     else:
         r = c.q_lora_rank
-        out = _linear(f"{p}.linear_q_down_proj", r // t, h, False)
+        out = _linear(f"{p}.linear_q_down_proj", r, h, False)
         out += _linear(f"{p}.linear_q_up_proj", q_out // t, r, False)
         out += _norm(plan, f"{p}.q_layernorm", r) if norms else []
     r_kv = c.kv_lora_rank
-    out += _linear(f"{p}.linear_kv_down_proj", (r_kv + c.qk_pos_emb_head_dim) // t, h, False)
+    out += _linear(f"{p}.linear_kv_down_proj", r_kv + c.qk_pos_emb_head_dim, h, False)
     out += _linear(f"{p}.linear_kv_up_proj", n * (c.qk_head_dim + c.v_head_dim) // t, r_kv, False)
     out += _norm(plan, f"{p}.kv_layernorm", r_kv) if norms else []
     out += _linear(f"{p}.linear_proj", h, n * c.v_head_dim // t, False)

@@ -16,7 +16,8 @@ Global layer i (HF `model.layers.{i}`, ours `decoder.layers.{i}` of the full mod
     output_layer.weight               [Vp, h]     lm_head.weight (tied: model.embed_tokens.weight)
 
 DeepSeek-V3 (multi-latent attention; `hf_arch(config) == "deepseek_v3"`): each MLA linear is
-one HF tensor, split over tp by rows (column-parallel, `_MLA`) and `linear_proj` by columns:
+one HF tensor, split over tp by rows (column-parallel, `_MLA`) but the down-projections,
+which every tp rank holds whole (duplicated), and `linear_proj` by columns:
 
     ...self_attention.linear_q_proj.weight        ...self_attn.q_proj.weight (no q latent)
     ...self_attention.linear_q_down_proj.weight   ...self_attn.q_a_proj.weight
@@ -75,7 +76,12 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.bias": "mlp.down_proj.bias",
 }
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-# multi-latent attention (DeepSeek-V3): ours -> HF per-layer suffix; the linears split by rows
+# multi-latent attention (DeepSeek-V3): ours -> HF per-layer suffix; the linears split by rows,
+# but the down-projections (duplicated over tp)
+_MLA_DUPLICATED = (
+    "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+)
 _MLA = {
     "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
     "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
@@ -183,9 +189,7 @@ def _mla_rows(suffix: str, config: TransformerConfig) -> int:
     n, d_pe = config.num_attention_heads, config.qk_pos_emb_head_dim
     rows = {
         "linear_q_proj": n * (config.qk_head_dim + d_pe),
-        "linear_q_down_proj": config.q_lora_rank or 0,
         "linear_q_up_proj": n * (config.qk_head_dim + d_pe),
-        "linear_kv_down_proj": config.kv_lora_rank + d_pe,
         "linear_kv_up_proj": n * (config.qk_head_dim + config.v_head_dim),
     }
     return rows[suffix.split(".")[1]]
@@ -306,6 +310,8 @@ def read_shard(
         assert ffn is not None, "TransformerConfig.__post_init__ fills it in"
         start, stop = _part(ffn, tp_rank, tp_size, "ffn_hidden_size")
         return torch.cat([src.read(h, 0, start, stop) for h in hf], 0)
+    if config.multi_latent_attention and suffix in _MLA_DUPLICATED:
+        return src.read(hf[0])  # every tp rank holds it whole
     if suffix.endswith("proj.weight") and (suffix in _MLA or suffix == "eh_proj.weight"):
         out_rows = config.hidden_size if suffix == "eh_proj.weight" else _mla_rows(suffix, config)
         start, stop = _part(out_rows, tp_rank, tp_size, f"{hf[0]} rows")
