@@ -132,3 +132,40 @@ def test_fused_accumulation_fills_main_grad(distributed):
         assert res["grad_unset"]
         got, want = res["dw"]
         torch.testing.assert_close(got, want, **TOL)
+
+
+def _sync_in_buckets(limit):
+    from pentatron.parallel_state import destroy_model_parallel
+    from pentatron.tp_layers import mark_sequence_parallel
+
+    grid = initialize_model_parallel(ParallelConfig(tp=2))
+    try:
+        r = grid.rank("tp")
+        module = torch.nn.Module()
+        sizes = (3, 4, 10, 2, 2, 1)
+        for i, n in enumerate(sizes):
+            p = torch.nn.Parameter(torch.zeros(n))
+            p.grad = _randn(10 * i + r, n)  # each rank's own partial grad
+            mark_sequence_parallel(p)
+            module.register_parameter(f"p{i}", p)
+        module.register_parameter("unmarked", torch.nn.Parameter(torch.zeros(5)))
+        module.unmarked.grad = _randn(99 + r, 5)
+        want = [_randn(10 * i, n) + _randn(10 * i + 1, n) for i, n in enumerate(sizes)]
+        with comm.trace() as ledger:
+            count = sync_sequence_parallel_grads(module, grid.group("tp"), bucket_elements=limit)
+        got = [getattr(module, f"p{i}").grad for i in range(len(sizes))]
+        return count, [r.elements for r in ledger.records], got, want, module.unmarked.grad, r
+    finally:
+        destroy_model_parallel(grid)
+
+
+@pytest.mark.parametrize(("limit", "calls"), [(6, [3, 4, 10, 5]), (1 << 24, [22])])
+def test_sequence_parallel_grads_are_summed_in_bounded_buckets(distributed, limit, calls):
+    """The tp sum of the marked grads joins at most `limit` elements per collective (a
+    larger grad goes alone, in place); every marked grad is the sum of the ranks', the
+    unmarked one is left as it was."""
+    for count, elements, got, want, unmarked, r in distributed.run(2, _sync_in_buckets, limit):
+        assert count == 6 and elements == calls
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert torch.equal(unmarked, _randn(99 + r, 5))

@@ -24,8 +24,18 @@ def mark_sequence_parallel(*params: torch.nn.Parameter) -> None:
         p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def sync_sequence_parallel_grads(module: torch.nn.Module, tp_group: Any = None) -> int:
-    """All-reduce(tp) the grads of parameters marked `sequence_parallel`, in one collective.
+# Elements of grads joined into one all-reduce: norms' grads are tiny and join into one, but
+# duplicated linears (MLA's down-projections, about 15M elements a layer at DeepSeek-V3's
+# size) would make one joined copy as large as a stage's share of them.
+BUCKET_ELEMENTS = 1 << 24
+
+
+def sync_sequence_parallel_grads(
+    module: torch.nn.Module, tp_group: Any = None, bucket_elements: int = BUCKET_ELEMENTS
+) -> int:
+    """All-reduce(tp) the grads of parameters marked `sequence_parallel`, joined into as
+    few collectives as `bucket_elements` per copy allows (a grad at least that large is
+    reduced in place, alone).
 
     Uses `main_grad` when a parameter has one. Returns the number of parameters reduced.
     """
@@ -34,11 +44,28 @@ def sync_sequence_parallel_grads(module: torch.nn.Module, tp_group: Any = None) 
     grads = [g for g in marked if g is not None]
     if not grads or group_size(group) == 1:
         return len(grads)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+    for bucket in _buckets(grads, bucket_elements):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            comm.all_reduce(bucket[0], group=group)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        comm.all_reduce(flat, group=group)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
     return len(grads)
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `grads` of at most `limit` elements (a larger grad alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = limit
+    for g in grads:
+        if size + g.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += g.numel()
+    return out
 
 
 def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
