@@ -41,15 +41,16 @@ def make_weight(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> torch.nn.Parameter:
-    """This rank's `shard_shape` of a master weight `full_shape` drawn by `init_method`."""
+    """This rank's `shard_shape` of a master weight `full_shape` drawn by `init_method`;
+    `group` None: not split (the whole master, a weight every tp rank holds)."""
     weight = torch.empty(
         shard_shape, dtype=dtype or torch.get_default_dtype(), device=device or current_device()
     )
-    init_sharded_(
-        weight, full_shape, init_method, partition_dim, group_rank(group), group_size(group), stride
-    )
+    split = group is not None
+    rank, size = (group_rank(group), group_size(group)) if split else (0, 1)
+    init_sharded_(weight, full_shape, init_method, partition_dim, rank, size, stride)
     param = torch.nn.Parameter(weight)
-    set_tensor_model_parallel_attributes(param, True, partition_dim, stride)
+    set_tensor_model_parallel_attributes(param, split, partition_dim, stride)
     return param
 
 

@@ -23,12 +23,10 @@ from typing import Any
 
 import torch
 
-from pentatron.parallel_state import current_device
-
 from ..grads import mark_sequence_parallel
-from ..init import InitMethod, init_sharded_
-from ..utils import group_size, set_tensor_model_parallel_attributes
-from .common import check_last_dim, default_init, make_bias, resolve_layer_group
+from ..init import InitMethod
+from ..utils import group_size
+from .common import check_last_dim, default_init, make_bias, make_weight, resolve_layer_group
 from .linear import linear_with_grad_accumulation_and_async_allreduce
 
 
@@ -68,13 +66,10 @@ class DuplicatedLinear(torch.nn.Module):
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         full = (output_size, input_size)
-        weight = torch.empty(
-            full, dtype=params_dtype or torch.get_default_dtype(), device=device or current_device()
+        # group None: the whole master weight, drawn as a column layer draws its master
+        self.weight = make_weight(
+            full, full, 0, 1, default_init(init_method), None, params_dtype, device
         )
-        # the whole master weight ("rank 0 of 1"), drawn as a column layer draws its master
-        init_sharded_(weight, full, default_init(init_method), 0, 0, 1)
-        self.weight = torch.nn.Parameter(weight)
-        set_tensor_model_parallel_attributes(self.weight, False, 0, 1)
         self.weight.allreduce = True  # type: ignore[attr-defined]  # DDP's; not in torch stubs
         params = [self.weight]
         if bias:
