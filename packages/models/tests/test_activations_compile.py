@@ -15,7 +15,12 @@ def test_compiled_swiglu_has_no_graph_break_and_the_fused_numbers():
     from torch._dynamo.utils import counters
 
     config = SimpleNamespace(
-        gated_linear_unit=True, bias_activation_fusion=True, activation_func=F.silu
+        activation="swiglu",
+        gated_linear_unit=True,
+        bias_activation_fusion=True,
+        activation_func=F.silu,
+        glu_linear_offset=0.0,
+        activation_func_clamp_value=None,
     )
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 3, 2 * 24, generator=g)

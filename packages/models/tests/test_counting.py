@@ -39,6 +39,13 @@ CONFIGS = [
         add_bias_linear=False,
         kv_channels=16,
     ),
+    dict(  # gpt-oss: learnable sinks (one per head), windows, quick-GeGLU
+        activation="quick_geglu",
+        glu_linear_offset=1.0,
+        softmax_type="learnable",
+        window_size=(7, 0),
+        position_embedding_type="rope",
+    ),
 ]
 
 
@@ -74,7 +81,10 @@ def _gemm_flops(c, s, vocab):
 def test_flops_match_independent_gemm_count(kw):
     config = _config(**kw)
     got = num_floating_point_operations(config, 24, 128, batch_size=2)
-    assert got == pytest.approx(2 * _gemm_flops(config, 24, 128), rel=1e-12)
+    want = _gemm_flops(config, 24, 128)
+    if config.activation == "quick_geglu":  # Megatron's formula skips its gate GEMM
+        want -= 3 * config.num_layers * 2 * 24 * config.hidden_size * config.ffn_hidden_size
+    assert got == pytest.approx(2 * want, rel=1e-12)
     assert flops_per_token(config, 24, 128) == pytest.approx(got / 48, rel=1e-12)
 
 
@@ -123,6 +133,9 @@ def test_swiglu_counts_three_mlp_gemms():
     expected_swiglu = S * (L * (attn + 6 * H * 96 * 3) + logits)  # fc1 h->2f, fc2 f->h
     assert num_floating_point_operations(gelu, S, V) == pytest.approx(expected_gelu)
     assert num_floating_point_operations(swiglu, S, V) == pytest.approx(expected_swiglu)
+    # Megatron's formula reads --swiglu only: --quick-geglu counts as 2 GEMMs there
+    quick = TransformerConfig(activation="quick_geglu", **kw)
+    assert num_floating_point_operations(quick, S, V) == pytest.approx(expected_gelu)
 
 
 def _moe(**kw):

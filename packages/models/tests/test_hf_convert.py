@@ -174,7 +174,15 @@ def test_unsupported_hf_config_names_the_field(change, field):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("normalization", "LayerNorm"), ("activation", "gelu"), ("qk_layernorm", True)],
+    [
+        ("normalization", "LayerNorm"),
+        ("activation", "gelu"),
+        ("qk_layernorm", True),
+        ("softmax_type", "learnable"),  # gpt-oss's variants: no mapped form yet
+        ("window_size", (7, 0)),
+        ("glu_linear_offset", 1.0),
+        ("activation_func_clamp_value", 7.0),
+    ],
 )
 def test_unrepresentable_config_refused_by_config_to_hf(field, value):
     kw = {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding_type": "rope"}

@@ -1,6 +1,11 @@
 """The MLP's activation on fc1's output, SwiGLU as one autograd function.
 
     [.., F1] -> [.., F]   SwiGLU: F1 = 2F, [gate, up] -> silu(gate) * up;  GeLU: F1 = F
+    quick-GeGLU (gpt-oss): [gate, up] -> quick_gelu(gate) * up, quick_gelu(x) = x sigmoid(1.702 x)
+
+A gated activation reads `config.activation_func_clamp_value` c and `glu_linear_offset` o
+as Megatron's unfused GLU does: `act(clamp(gate, max=c)) * (clamp(up, -c, c) + o)`
+(gpt-oss: c = 7, o = 1). Those run in autograd; only plain SwiGLU has the fused function.
 
 Written as `silu(gate) * up` in autograd, SwiGLU keeps three tensors for backward: fc1's
 output (gate and up are views of it), silu(gate) and, in fc2, the product. With
@@ -49,7 +54,18 @@ def mlp_activation(config: Any, x: torch.Tensor) -> torch.Tensor:
     """fc1's output `[.., F1]` -> fc2's input `[.., F]` by `config.activation`."""
     if not config.gated_linear_unit:
         return config.activation_func(x)
-    if config.bias_activation_fusion and not torch.compiler.is_compiling():
+    clamp, offset = config.activation_func_clamp_value, config.glu_linear_offset
+    plain = clamp is None and offset == 0.0
+    if (
+        plain
+        and config.activation == "swiglu"
+        and config.bias_activation_fusion
+        and not torch.compiler.is_compiling()
+    ):
         return swiglu(x)
     gate, up = torch.chunk(x, 2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+    if offset != 0.0:
+        up = up + offset
     return config.activation_func(gate) * up

@@ -18,14 +18,28 @@ from typing import Any
 
 import torch
 
-from pentatron.tp_layers import checkpoint, divide, get_rng_tracker
+from pentatron.parallel_state import current_device
+from pentatron.tp_layers import (
+    checkpoint,
+    divide,
+    get_rng_tracker,
+    init_method_normal,
+    init_sharded_,
+    set_tensor_model_parallel_attributes,
+)
 
+from .attention_variants import sink_sdpa, window_keep_mask
 from .config import ModelConfigError, TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .recompute import recompute_now
 from .rope import apply_rotary_pos_emb
 from .sdpa import grouped_sdpa
 from .spec import build_linear, build_module
+
+
+def sink_shard_rank(tp_group: Any) -> int:
+    """Which 1/t of the heads' sinks this rank holds: its rank in the tp group."""
+    return torch.distributed.get_rank(tp_group)
 
 
 @dataclass
@@ -49,6 +63,12 @@ class DotProductAttention(torch.nn.Module):
     With `config.context_parallel_size > 1` q/k/v hold this cp rank's load-balanced chunks
     (`[s/cp, b, ., d]`) and attention runs over `cp_group` by `config.cp_comm_type`
     (see `context_parallel`); GPTModel hands the group in with `set_cp_group`.
+
+    gpt-oss's variants (attention_variants.py): `config.window_size` on the layers
+    `config.is_window_attention_layer` picks, and with `config.softmax_type` other than
+    "vanilla" a sink logit per head, `softmax_offset` `[nq/t]` (a parameter for
+    "learnable": this rank's heads of one master vector drawn by `init_method`, so every
+    tp layout starts from the same numbers; needs `tp_group` when tp > 1).
     """
 
     def __init__(
@@ -58,6 +78,8 @@ class DotProductAttention(torch.nn.Module):
         tp_size: int,
         cp_group: Any = None,
         softmax_scale: float | None = None,
+        tp_group: Any = None,
+        init_method: Any = None,
     ) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
@@ -67,6 +89,36 @@ class DotProductAttention(torch.nn.Module):
         self.groups_per_rank = divide(groups, tp_size, "num_query_groups")
         # default 1/sqrt(head dim); MLA passes 1/sqrt(d_qk + d_pe) (its q/k dims)
         self.scale = 1.0 / (d**0.5) if softmax_scale is None else softmax_scale
+        window = config.window_size
+        self.window: int | None = None
+        if window is not None and config.is_window_attention_layer(layer_number):
+            self.window = window[0]
+        heads = divide(config.num_attention_heads, tp_size, "num_attention_heads")
+        self.softmax_offset: torch.Tensor | None
+        if config.softmax_type == "off-by-one":
+            zeros = torch.zeros(heads, dtype=config.params_dtype, device=current_device())
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+        elif config.softmax_type == "learnable":
+            self.softmax_offset = self._learnable_sinks(heads, tp_size, tp_group, init_method)
+        else:
+            self.softmax_offset = None
+
+    def _learnable_sinks(
+        self, heads: int, tp_size: int, tp_group: Any, init_method: Any
+    ) -> torch.nn.Parameter:
+        if tp_size > 1 and tp_group is None:
+            raise ModelConfigError(
+                f"softmax_type='learnable' at tensor_model_parallel_size={tp_size} without "
+                "tp_group: the rule: each tp rank holds its heads' sinks of one master vector; "
+                "fix: build the attention through SelfAttention (it passes tp_group)"
+            )
+        init = init_method or init_method_normal(self.config.init_method_std)
+        sinks = torch.empty(heads, dtype=self.config.params_dtype, device=current_device())
+        rank = sink_shard_rank(tp_group) if tp_size > 1 else 0
+        init_sharded_(sinks, (heads * tp_size,), init, 0, rank, tp_size)
+        param = torch.nn.Parameter(sinks)
+        set_tensor_model_parallel_attributes(param, tp_size > 1, 0, 1)
+        return param
 
     def set_cp_group(self, group: Any) -> None:
         """The process group of the cp ranks (used when context_parallel_size > 1)."""
@@ -91,6 +143,22 @@ class DotProductAttention(torch.nn.Module):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
         p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
+        if self.window is not None:
+            band = window_keep_mask(s, self.window, q.device)
+            mask = band if mask is None else mask & band
+        if self.softmax_offset is not None:
+            with self._dropout_rng(p):
+                out = sink_sdpa(
+                    q,
+                    k,
+                    v,
+                    self.softmax_offset,
+                    keep=mask,
+                    dropout_p=p,
+                    scale=self.scale,
+                    attention_backend=self.config.attention_backend,
+                )
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         with self._dropout_rng(p):
             out = grouped_sdpa(
                 q,
@@ -155,7 +223,12 @@ class SelfAttention(torch.nn.Module):
             params_dtype=config.params_dtype,
         )
         self.core_attention = build_module(
-            submodules.core_attention, config, layer_number=layer_number, tp_size=tp_size
+            submodules.core_attention,
+            config,
+            layer_number=layer_number,
+            tp_size=tp_size,
+            tp_group=tp_group,
+            init_method=init_method,
         )
         self.linear_proj = build_linear(
             submodules.linear_proj,

@@ -18,7 +18,9 @@ from pentatron.pipeline import PipelineConfigError, StageLayout
 
 from .config_checks import (
     ModelConfigError,
+    check_attention_variants,
     check_context_parallel,
+    check_glu,
     check_mla,
     check_moe,
     check_mtp,
@@ -28,13 +30,18 @@ from .config_checks import (
 from .sdpa import ATTENTION_BACKENDS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "quick_geglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 
 
 _fail = fail
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): the sigmoid approximation of GeLU (Megatron's quick_gelu)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 def _positive_int(name: str, value: Any, optional: bool = False) -> None:
@@ -77,8 +84,9 @@ class RopeScaling:
 class TransformerConfig:
     """Megatron-LM's TransformerConfig (the dense-GPT subset), validated on construction.
 
-    `activation`: "gelu" (fc1 -> GeLU -> fc2) or "swiglu" (fc1 holds [gate, up];
-    silu(gate) * up -> fc2); `gated_linear_unit` and `activation_func` give Megatron's view.
+    `activation`: "gelu" (fc1 -> GeLU -> fc2), "swiglu" (fc1 holds [gate, up];
+    silu(gate) * up -> fc2) or "quick_geglu" (gpt-oss: quick_gelu(gate) * up, Megatron's
+    --quick-geglu); `gated_linear_unit` and `activation_func` give Megatron's view.
     `bias_activation_fusion` (Megatron's field; its training flags turn it on by default)
     runs SwiGLU as one autograd function that keeps only fc1's output for backward, `F`
     fewer elements per token and layer, with bitwise the same numbers (`activations.py`).
@@ -110,6 +118,17 @@ class TransformerConfig:
     layernorm_zero_centered_gamma: bool = False
     activation: str = "gelu"
     bias_activation_fusion: bool = False
+    # gated activations only (activations.py): act(clamp(gate, max=c)) * (clamp(up, -c, c)
+    # + offset), Megatron's --activation-func-clamp-value and --glu-linear-offset (gpt-oss)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    # attention variants (gpt-oss; attention.py, config_checks.check_attention_variants):
+    # "off-by-one" / "learnable" add a per-head sink logit to the softmax's denominator
+    softmax_type: str = "vanilla"
+    # sliding window (left, right): query i sees keys i - left .. i (right must be 0)
+    window_size: tuple[int, int] | None = None
+    # None: every layer windowed; N: layer l (1-based) full when l % N == 0; or a 0/1 list
+    window_attn_skip_freq: int | list[int] | None = None
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
@@ -211,6 +230,8 @@ class TransformerConfig:
         self._fill_defaults()
         self._check_choices()
         self._check_attention()
+        check_glu(self)
+        check_attention_variants(self)
         self._check_tensor_parallel()
         self._check_rope()
         self._check_recompute()
@@ -460,13 +481,28 @@ class TransformerConfig:
 
     @property
     def gated_linear_unit(self) -> bool:
-        """Megatron's flag: fc1 produces [gate, up] (SwiGLU)."""
-        return self.activation == "swiglu"
+        """Megatron's flag: fc1 produces [gate, up] (SwiGLU, quick-GeGLU)."""
+        return self.activation in ("swiglu", "quick_geglu")
 
     @property
     def activation_func(self) -> Any:
-        """The elementwise function applied to fc1's output (to the gate half for SwiGLU)."""
-        return F.silu if self.gated_linear_unit else F.gelu
+        """The elementwise function applied to fc1's output (to the gate half if gated)."""
+        if self.activation == "quick_geglu":
+            return quick_gelu
+        return F.silu if self.activation == "swiglu" else F.gelu
+
+    def is_window_attention_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` (global, 1-based) attends through `window_size`
+        (Megatron's is_layer_window_attention)."""
+        if self.window_size is None or self.window_size[0] < 0:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        # MTP layers (numbered past num_layers) follow the last decoder layer, as for MoE
+        return bool(freq[min(layer_number, len(freq)) - 1])
 
     @property
     def rotary_dim(self) -> int:

@@ -14,6 +14,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
 TOKEN_DISPATCHERS = ("allgather", "alltoall")
 ROUTER_DTYPES = (None, "fp32", "fp64")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # Megatron's recompute_modules that this release implements (see transformer_layer.py)
 RECOMPUTE_MODULES = (
     "core_attn",
@@ -114,6 +115,91 @@ def check_recompute_modules(c: Any) -> None:
             "'shared_experts' recompute cannot run with moe_shared_expert_overlap (the shared "
             "experts run on a side stream during the dispatch)",
             "set moe_shared_expert_overlap=False or drop 'shared_experts'",
+        )
+
+
+def check_glu(c: Any) -> None:
+    """--glu-linear-offset and --activation-func-clamp-value act on a gated activation's two
+    halves (activations.py); Megatron's unfused path reads them for any gated activation."""
+    offset, clamp = c.glu_linear_offset, c.activation_func_clamp_value
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool) or offset != offset:
+        fail("glu_linear_offset", offset, "a finite number", "e.g. glu_linear_offset=0.0")
+    if clamp is not None and (not isinstance(clamp, (int, float)) or not 0 < clamp < float("inf")):
+        fail(
+            "activation_func_clamp_value",
+            clamp,
+            "a finite number > 0 (fc1's output is clamped to it)",
+            "e.g. activation_func_clamp_value=7.0, or None for no clamp",
+        )
+    if (offset != 0.0 or clamp is not None) and not c.gated_linear_unit:
+        fail(
+            "activation",
+            c.activation,
+            "glu_linear_offset and activation_func_clamp_value act on the [gate, up] halves "
+            "of a gated activation",
+            "use activation='quick_geglu' or 'swiglu' (app: --quick-geglu or --swiglu), or "
+            "drop them",
+        )
+
+
+def check_attention_variants(c: Any) -> None:
+    """softmax_type, window_size and window_attn_skip_freq (gpt-oss's attention)."""
+    _choice("softmax_type", c.softmax_type, SOFTMAX_TYPES)
+    w, freq = c.window_size, c.window_attn_skip_freq
+    if w is not None:
+        if (
+            not isinstance(w, (tuple, list))
+            or len(w) != 2
+            or not all(_is_int(x) for x in w)
+            or w[0] < -1
+        ):
+            fail(
+                "window_size",
+                w,
+                "(left, right): two integers, left >= 0 or -1 (no window)",
+                "e.g. window_size=(127, 0) (gpt-oss: 128 keys including the query's own)",
+            )
+        if w[1] != 0:
+            fail(
+                "window_size",
+                tuple(w),
+                "GPT attention is causal, so the window's right side must be 0",
+                f"use window_size=({w[0]}, 0)",
+            )
+    if freq is not None:
+        if w is None:
+            fail("window_attn_skip_freq", freq, "needs window_size", "set window_size or drop it")
+        if _is_int(freq):
+            _positive("window_attn_skip_freq", freq)
+        elif (
+            not isinstance(freq, (list, tuple))
+            or len(freq) != c.num_layers
+            or any(x not in (0, 1) for x in freq)
+        ):
+            fail(
+                "window_attn_skip_freq",
+                freq,
+                f"an integer N >= 1, or a 0/1 list of num_layers={c.num_layers} entries "
+                "(1: sliding window)",
+                "e.g. window_attn_skip_freq=2 (every second layer full)",
+            )
+    if c.softmax_type == "vanilla" and w is None:
+        return
+    what = "softmax_type=" + repr(c.softmax_type) if w is None else "window_size"
+    if c.multi_latent_attention:
+        fail(
+            what,
+            w if w is not None else c.softmax_type,
+            "sliding windows and softmax sinks are built for grouped-query attention only "
+            "(as Megatron's MLA)",
+            "drop them, or multi_latent_attention=False",
+        )
+    if c.context_parallel_size > 1:
+        fail(
+            what,
+            w if w is not None else c.softmax_type,
+            "sliding windows and softmax sinks are not built into context-parallel attention yet",
+            "use context_parallel_size=1 (app: --context-parallel-size 1)",
         )
 
 

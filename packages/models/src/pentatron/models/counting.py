@@ -8,6 +8,7 @@ Megatron-LM's current formula (training.py `transformer_flops`), 6 = 3 GEMMs per
   core       6 L q s        (q k^T and p v; the causal mask keeps half of the s^2 scores)
   (multi-latent attention: Megatron's MLA branch, `_mla_flops_per_layer`)
   MLP        6 h (f g L_dense + (topk f_moe + f_shared) g L_moe)    g = 3 SwiGLU, else 2
+             (quick-GeGLU: 2, as Megatron's formula, which reads --swiglu only)
   logits     6 h V (1 + D)  (the output GEMM, tied or not, once per MTP depth too)
   MTP        6 D (3 h + 2 h^2)   (its three norms and eh_proj; D = mtp_num_layers)
 with L_moe the MoE layers of `moe_layer_freq`. MTP layers count as D more layers in the
@@ -57,6 +58,8 @@ def _attention_parameters(config: TransformerConfig) -> int:
     attn += config.query_projection_size * h + (h if bias else 0)
     if config.qk_layernorm:
         attn += 2 * _norm_params(config, d)
+    if config.softmax_type == "learnable":
+        attn += config.num_attention_heads  # one sink logit per head
     return attn
 
 
@@ -147,10 +150,13 @@ def _mlp_flops_per_token(config: TransformerConfig) -> int:
     """Token-linear MLP FLOPs of all layers: dense `f`, routed `topk * moe_f`, shared `f_sh`.
 
     Each MLP is fc1 (h -> f, or h -> 2f stacked [gate, up] for SwiGLU) and fc2 (f -> h):
-    2 GEMMs of h f, 3 with SwiGLU (Megatron's ffn_expansion_factor; the 1.5x).
+    2 GEMMs of h f, 3 with SwiGLU (Megatron's ffn_expansion_factor; the 1.5x). Megatron's
+    formula reads `args.swiglu` only, so gpt-oss's quick-GeGLU counts 2 there although fc1
+    is stacked [gate, up] too; it counts 2 here as well, so that logged TFLOP/s compare
+    with Megatron's (they understate a quick-GeGLU model's MLP work by a third).
     """
     assert config.ffn_hidden_size is not None, "TransformerConfig.__post_init__ fills it in"
-    gemms = 3 if config.gated_linear_unit else 2
+    gemms = 3 if config.activation == "swiglu" else 2
     dense_layers, moe_layers = _mlp_kinds(config)
     dense = config.ffn_hidden_size * gemms * dense_layers
     moe = 0

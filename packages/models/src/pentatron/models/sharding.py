@@ -10,6 +10,7 @@ Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
 | mlp.linear_fc1.weight/.bias (gelu)           | dim 0, contiguous  | rows r ffn/t ...         |
 | mlp.linear_fc1.weight/.bias (swiglu)         | dim 0, stride 2    | cat([gate_r, up_r])      |
 | self_attention.linear_proj.weight [h, nq d]  | dim 1              | columns r nq d/t ...     |
+| self_attention.core_attention.softmax_offset [nq] | dim 0         | heads r nq/t ...         |
 | MLA: linear_q_proj, linear_{q,kv}_up_proj .weight | dim 0, contiguous | rows r out/t ... |
 | MLA: linear_{q,kv}_down_proj.weight          | replicated         | the full tensor          |
 | mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
@@ -57,6 +58,7 @@ _COLUMN = re.compile(
     r"\.(weight|bias)$"
 )
 _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
+_HEADS = re.compile(r"\.core_attention\.softmax_offset$")  # learnable sinks, one per head
 _REPLICATED = re.compile(
     r"(layernorm\.(weight|bias)|layer_norm_(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
     r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight"
@@ -106,6 +108,8 @@ def param_sharding(name: str, config: TransformerConfig) -> ParamSharding:
         return ParamSharding(0, 2 if gated else 1)
     if _ROW.search(name):
         return ParamSharding(1)
+    if _HEADS.search(name):
+        return ParamSharding(0)
     if _REPLICATED.search(name):
         return ParamSharding(None)
     raise KeyError(

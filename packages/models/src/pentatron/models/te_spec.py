@@ -176,8 +176,16 @@ class TEDotProductAttention(torch.nn.Module):
     `config.attention_backend` picks TE's kernels through NVTE_* (`set_te_attention_env`).
     """
 
-    def __init__(self, config: Any, layer_number: int, tp_size: int) -> None:
+    def __init__(
+        self, config: Any, layer_number: int, tp_size: int, tp_group: Any = None, **_: Any
+    ) -> None:
         super().__init__()
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ModelConfigError(
+                f"softmax_type={config.softmax_type!r}, window_size={config.window_size}: the "
+                "rule: the transformer-engine attention is wired for plain causal softmax; "
+                "fix: the local spec (app: --transformer-impl local)"
+            )
         require_te("TEDotProductAttention")
         set_te_attention_env(config.attention_backend)
         self.config = config

@@ -243,7 +243,24 @@ def _llama_fields(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# gpt-oss's variants: no Hugging Face form is mapped yet (GptOssForCausalLM)
+_GPT_OSS_FIELDS = (
+    ("glu_linear_offset", 0.0),
+    ("activation_func_clamp_value", None),
+    ("softmax_type", "vanilla"),
+    ("window_size", None),
+)
+
+
 def _check_representable(config: TransformerConfig) -> None:
+    for name, want in _GPT_OSS_FIELDS:
+        value = getattr(config, name)
+        if value != want:
+            raise HFConfigError(
+                f"TransformerConfig {name}={value!r}: the Hugging Face conversion maps Llama, "
+                "Qwen2, Mixtral, Qwen2-MoE and DeepSeek-V3 forms, not gpt-oss's; fix: keep "
+                "the run's torch_dist checkpoint (gpt-oss export is not built)"
+            )
     if config.multi_latent_attention:  # DeepSeek-V3's form
         check_deepseek_representable(config)
         for name, value, want in (
