@@ -23,6 +23,17 @@ MLA = dict(
     num_query_groups=None,
 )
 
+# gpt-oss's variants at the small config's size: learnable sinks, a 4-key window on every
+# second layer, quick-GeGLU with the linear offset and a clamp the tiny model's fc1 crosses
+GPT_OSS = dict(
+    softmax_type="learnable",
+    window_size=(3, 0),
+    window_attn_skip_freq=2,
+    activation="quick_geglu",
+    glu_linear_offset=1.0,
+    activation_func_clamp_value=0.3,
+)
+
 
 def small_config(**overrides) -> TransformerConfig:
     """4 layers, GQA (8 heads, 4 groups), RoPE, SwiGLU, RMSNorm, biases and q/k norm."""

@@ -23,22 +23,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _gpt import microbatches, reference_run, small_config
+from _gpt import GPT_OSS, microbatches, reference_run, small_config
 from test_parity import _all_layouts, assert_matches_reference
 
 from pentatron.models import ModelConfigError
 from pentatron.models import attention as attention_module
 from pentatron.models.activations import mlp_activation
 from pentatron.models.attention import DotProductAttention
-
-GPT_OSS = dict(
-    softmax_type="learnable",
-    window_size=(3, 0),
-    window_attn_skip_freq=2,
-    activation="quick_geglu",
-    glu_linear_offset=1.0,
-    activation_func_clamp_value=0.3,  # small: the tiny model's fc1 outputs cross it
-)
 
 
 def _reference_attention(q, k, v, sinks, scale, left):

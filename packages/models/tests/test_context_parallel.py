@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _gpt import GPT_OSS
+
 from pentatron.models import ModelConfigError, TransformerConfig
 from pentatron.models.attention import DotProductAttention
 from pentatron.models.context_parallel import (
@@ -94,7 +96,7 @@ def _one_case(grid, cp, kind, s, seed):
     return out.detach(), q.grad, k.grad, v.grad, ledger
 
 
-def _gpt_case(kind: str, state, data):
+def _gpt_case(kind: str, state, data, overrides=None):
     """GPTModel at cp2-tp2 with SP: per-token loss shard and grads (summed over cp)."""
     import dataclasses
 
@@ -110,7 +112,7 @@ def _gpt_case(kind: str, state, data):
     grid = initialize_model_parallel(ParallelConfig(tp=2, cp=2))
     try:
         config = dataclasses.replace(
-            small_config(),
+            small_config(**(overrides or {})),
             tensor_model_parallel_size=2,
             sequence_parallel=True,
             context_parallel_size=2,
@@ -139,7 +141,7 @@ def _gpt_case(kind: str, state, data):
         destroy_model_parallel(grid)
 
 
-def _worker(cp: int, gpt_inputs=None):
+def _worker(cp: int, gpt_inputs=None, gpt_oss_inputs=None):
     grid = initialize_model_parallel(ParallelConfig(cp=cp))
     try:
         results = {}
@@ -151,14 +153,16 @@ def _worker(cp: int, gpt_inputs=None):
     if gpt_inputs is not None:
         for kind in KINDS:  # a2a: 8 heads and 4 groups divide by tp*cp = 4
             results[("gpt", kind)] = _gpt_case(kind, *gpt_inputs)
+    if gpt_oss_inputs is not None:  # sinks and windows: the all-to-all kind carries them
+        results[("gpt-oss", "a2a")] = _gpt_case("a2a", *gpt_oss_inputs, overrides=GPT_OSS)
     return results
 
 
-def _gpt_reference():
+def _gpt_reference(**overrides):
     """Full state, data (ids, pos, labels) [b, s], per-token loss and grads of loss.sum()."""
     from _gpt import build_reference, microbatches, small_config
 
-    model = build_reference(small_config())
+    model = build_reference(small_config(**overrides))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = microbatches(1)[0]
     loss = model(*data[:2], labels=data[2])
@@ -173,21 +177,39 @@ def gpt_reference():
 
 
 @pytest.fixture(scope="module")
-def runs(distributed, gpt_reference):
-    state, data = gpt_reference[:2]
-    return {2: distributed.run(2, _worker, 2), 4: distributed.run(4, _worker, 4, (state, data))}
+def gpt_oss_reference():
+    return _gpt_reference(**GPT_OSS)
+
+
+@pytest.fixture(scope="module")
+def runs(distributed, gpt_reference, gpt_oss_reference):
+    inputs, oss_inputs = gpt_reference[:2], gpt_oss_reference[:2]
+    return {
+        2: distributed.run(2, _worker, 2),
+        4: distributed.run(4, _worker, 4, inputs, oss_inputs),
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpt_cp2_tp2_sp_matches_one_process(runs, gpt_reference, kind):
     """Per-token loss shards and every parameter grad of a 4-layer GPT (GQA, RoPE, q/k
     norm) at cp2-tp2 with sequence parallelism equal the single-process model's."""
+    _assert_gpt_matches([r[("gpt", kind)] for r in runs[4]], gpt_reference)
+
+
+def test_gpt_oss_cp2_tp2_sp_a2a_matches_one_process(runs, gpt_oss_reference):
+    """The same with gpt-oss's learnable sinks (each cp rank applies its heads' part),
+    sliding windows on every second layer (over the whole sequence) and quick-GeGLU."""
+    grads = _assert_gpt_matches([r[("gpt-oss", "a2a")] for r in runs[4]], gpt_oss_reference)
+    assert sum(n.endswith("softmax_offset") for n in grads) == 4
+
+
+def _assert_gpt_matches(per_rank, reference) -> dict:
     from _gpt import small_config
 
     from pentatron.models import merge_shards
 
-    _, _, ref_loss, ref_grads = gpt_reference
-    per_rank = [r[("gpt", kind)] for r in runs[4]]
+    _, _, ref_loss, ref_grads = reference
     by_cp = {cp: next(r for r in per_rank if r[3] == cp and r[2] == 0) for cp in (0, 1)}
     loss = gather_cp_shards([by_cp[0][0], by_cp[1][0]], dim=1)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
@@ -196,6 +218,7 @@ def test_gpt_cp2_tp2_sp_matches_one_process(runs, gpt_reference, kind):
     for name, ref in ref_grads.items():
         got = merge_shards(name, [r[1][name] for r in tp_ranks], config=config)
         torch.testing.assert_close(got[: ref.size(0)], ref, rtol=1e-4, atol=1e-5, msg=name)
+    return ref_grads
 
 
 CASES = [(cp, kind, s) for cp in (2, 4) for kind in KINDS for s in SEQS[cp]]

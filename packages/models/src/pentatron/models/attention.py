@@ -139,7 +139,16 @@ class DotProductAttention(torch.nn.Module):
                 v = torch.nn.functional.pad(v, (0, k.size(-1) - d_v))
                 out = context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
                 return out.view(s, b, -1, k.size(-1))[..., :d_v].reshape(s, b, -1)
-            return context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
+            return context_parallel_attention(
+                q,
+                k,
+                v,
+                self.scale,
+                self.config,
+                self.cp_group,
+                sinks=self.softmax_offset,
+                window=self.window,
+            )
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
         p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask

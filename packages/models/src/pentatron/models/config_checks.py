@@ -194,12 +194,14 @@ def check_attention_variants(c: Any) -> None:
             "(as Megatron's MLA)",
             "drop them, or multi_latent_attention=False",
         )
-    if c.context_parallel_size > 1:
+    if c.context_parallel_size > 1 and c.cp_comm_type != "a2a":
         fail(
             what,
             w if w is not None else c.softmax_type,
-            "sliding windows and softmax sinks are not built into context-parallel attention yet",
-            "use context_parallel_size=1 (app: --context-parallel-size 1)",
+            "with context parallelism only cp_comm_type='a2a' carries sliding windows and "
+            "softmax sinks (each rank attends over the whole sequence); "
+            f"cp_comm_type={c.cp_comm_type!r} does not",
+            "cp_comm_type='a2a' (app: --cp-comm-type a2a)",
         )
 
 

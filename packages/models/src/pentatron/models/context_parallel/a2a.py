@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
+from ..attention_variants import sink_sdpa, window_keep_mask
 from ..config import ModelConfigError
 from ..sdpa import grouped_sdpa
 
@@ -71,10 +72,19 @@ def _chunk_order(cp: int) -> torch.Tensor:
 
 
 def a2a_attention(
-    q, k, v, scale: float, group: Any, attention_backend: str = "auto"
+    q,
+    k,
+    v,
+    scale: float,
+    group: Any,
+    attention_backend: str = "auto",
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[s/cp, b, n, d]` (causal; one
-    SDPA call on `attention_backend`'s kernels)."""
+    SDPA call on `attention_backend`'s kernels). gpt-oss's variants: `sinks` `[n]` (this
+    cp rank's contiguous n/cp of them apply to its heads) and a `window` of keys back over
+    the whole sequence, which each rank sees in global order."""
     cp = dist.get_world_size(group)
     n, g = q.size(2), k.size(2)
     if n % cp or g % cp:
@@ -90,7 +100,30 @@ def a2a_attention(
     chunk = s // (2 * cp)
     perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
     q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
-    out = grouped_sdpa(q, k, v, is_causal=True, scale=scale, attention_backend=attention_backend)
+    keep = None if window is None else window_keep_mask(s, window, q.device)
+    if sinks is not None:
+        part = sinks.size(0) // cp
+        mine = sinks[dist.get_rank(group) * part :][:part]
+        out = sink_sdpa(
+            q,
+            k,
+            v,
+            mine,
+            keep=keep,
+            dropout_p=0.0,
+            scale=scale,
+            attention_backend=attention_backend,
+        )
+    else:
+        out = grouped_sdpa(
+            q,
+            k,
+            v,
+            attn_mask=keep,
+            is_causal=keep is None,
+            scale=scale,
+            attention_backend=attention_backend,
+        )
     out = out.permute(2, 0, 1, 3)  # [s, b, n/cp, d] in global order
     back = torch.argsort(perm)
     return HeadToSeq.apply(out.index_select(0, back).contiguous(), group)

@@ -41,11 +41,26 @@ def check_cp_inputs(config: Any, group: Any, seq_local: int, attention_mask: Any
 
 
 def context_parallel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, config: Any, group: Any
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    config: Any,
+    group: Any,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence -> `[s/cp, b, n d]`."""
+    """Causal attention of this rank's queries over the whole sequence -> `[s/cp, b, n d]`.
+
+    `sinks` `[n]` (this tp rank's heads) and `window` (keys back): gpt-oss's variants,
+    which only the all-to-all kind carries (config_checks refuses the others)."""
     s, b = q.shape[:2]
     kind = config.cp_comm_type
+    if (sinks is not None or window is not None) and kind != "a2a":
+        raise ModelConfigError(
+            f"cp_comm_type={kind!r} with softmax sinks or a sliding window: the rule: only "
+            "cp_comm_type='a2a' carries them; fix: cp_comm_type='a2a'"
+        )
     if kind == "p2p":
         qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
         out = ring_attention(qb, kb, vb, scale, group)  # [b, n, s/cp, d]
@@ -53,7 +68,9 @@ def context_parallel_attention(
         cp_rank = dist.get_group_rank(group, dist.get_rank())
         out = all_gather_attention(q, k, v, scale, group, cp_rank)
     elif kind == "a2a":
-        out = a2a_attention(q, k, v, scale, group, config.attention_backend)
+        out = a2a_attention(
+            q, k, v, scale, group, config.attention_backend, sinks=sinks, window=window
+        )
         return out.reshape(s, b, -1)
     else:
         raise ModelConfigError(
