@@ -80,7 +80,12 @@ def test_zbv_step_runs_on_the_fake_gpu(tmp_path):
 
 
 def test_moe_step_runs_on_the_fake_gpu(tmp_path):
-    result = _ok(dry_run(tmp_path, "moe-tp2-ep2", "0,3"))
+    """MoE, with gpt-oss's attention and GLU variants on (learnable sinks: their padded q/k/v
+    and sink key; a sliding window on every second layer: its mask; the GLU clamp): all made
+    on the device, and no SDPA math fallback (the masked kernel is the efficient one)."""
+    gpt_oss = ["--softmax-type", "learnable", "--window-size", "7,0"]
+    gpt_oss += ["--window-attn-skip-freq", "2", "--activation-func-clamp-value", "7.0"]
+    result = _ok(dry_run(tmp_path, "moe-tp2-ep2", "0,3", "none", *gpt_oss))
     for r in result.values():
         assert r["iterations"] == 2
 

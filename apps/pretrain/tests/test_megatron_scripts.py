@@ -66,8 +66,8 @@ DROP |= {"--vocab-file", "--merge-file", "--tokenizer-model", "--wandb-save-dir"
 DROP |= {"--profile", "--lr-warmup-iters", "--lr-decay-iters"}  # samples-based below
 
 # What each script asks for that is refused on a CPU machine with this release, one line
-# each (the flag named first): FP8 / cuDNN attention need CUDA, gpt-oss and
-# DeepSeek-V3 architecture flags land with their issues, Megatron-FSDP's NCCL buffers.
+# each (the flag named first): FP8 / cuDNN attention need CUDA, DeepSeek-V3's flex
+# dispatcher needs its kernels, Megatron-FSDP's NCCL buffers. (gpt-oss runs whole.)
 _FP8 = {"--fp8-format", "--fp8-param-gather"}
 _MFSDP_BUFFERS = {"--use-nccl-ub", "--fsdp-double-buffer", "--init-model-with-meta-device"}
 REFUSED_ON_CPU = {
@@ -90,15 +90,7 @@ REFUSED_ON_CPU = {
         "--attention-backend",
         "--ckpt-format",
     },
-    "examples/gptoss/02_train.sh": _FP8
-    | {
-        "--softmax-type",
-        "--window-size",
-        "--window-attn-skip-freq",
-        "--activation-func-clamp-value",
-        "--glu-linear-offset",
-        "--quick-geglu",
-    },
+    "examples/gptoss/02_train.sh": _FP8,
 }
 
 
@@ -307,8 +299,10 @@ def test_kernel_choices_are_named_at_start_up():
         (["--kv-lora-rank", "512"], "--kv-lora-rank"),  # an MLA shape without MLA
         (["--rotary-scaling-factor", "40"], "--rotary-scaling-factor"),  # YaRN
         (["--mtp-num-layers", "0"], "--mtp-num-layers"),  # a bad value, by name
-        (["--softmax-type", "learnable"], "--softmax-type"),
-        (["--window-size", "127,0"], "--window-size"),
+        (["--window-size", "127,1"], "--window-size"),  # GPT attention is causal
+        (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq"),  # needs a window
+        (["--glu-linear-offset", "1.0"], "--swiglu"),  # offsets a gated activation only
+        (["--quick-geglu", "--swiglu"], "--quick-geglu"),
         (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
         (["--cp-comm-type", "p2p", "a2a"], "--cp-comm-type"),
         (

@@ -68,6 +68,38 @@ def _model(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="SwiGLU through plain autograd, which also keeps silu(gate) for backward",
     )
+    g.add_argument(
+        "--quick-geglu",
+        action="store_true",
+        help="gpt-oss's gated activation: quick_gelu(gate) * up, quick_gelu(x) = x sigmoid(1.702 x)",
+    )
+    g.add_argument(
+        "--glu-linear-offset", type=float, default=0.0, help="gated: act(gate) * (up + offset)"
+    )
+    g.add_argument(
+        "--activation-func-clamp-value",
+        type=float,
+        default=None,
+        help="gated: gate clamped to <= value, up to [-value, value] (gpt-oss: 7.0)",
+    )
+    g.add_argument(
+        "--softmax-type",
+        default="vanilla",
+        choices=["vanilla", "off-by-one", "learnable"],
+        help="attention sinks: a per-head logit added to the softmax denominator",
+    )
+    g.add_argument(
+        "--window-size",
+        type=parse_window_size,
+        default=None,
+        help="sliding-window attention LEFT,0: query i sees keys i-LEFT..i (gpt-oss: 127,0)",
+    )
+    g.add_argument(
+        "--window-attn-skip-freq",
+        type=parse_window_attn_skip_freq,
+        default=None,
+        help="N: every N-th layer full attention, the rest windowed; or a 0/1 list (1: window)",
+    )
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true", help="with MLA: its latent norms")
@@ -213,9 +245,36 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
 
+def parse_window_size(text: Any) -> tuple[int, int]:
+    """--window-size: Megatron's tuple_type, `127,0` or `(127,0)`."""
+    if isinstance(text, (tuple, list)):
+        return tuple(int(x) for x in text)  # type: ignore[return-value]
+    parts = str(text).strip("()[] ").split(",")
+    try:
+        left, right = (int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--window-size {text!r}: expected LEFT,RIGHT, e.g. 127,0"
+        ) from None
+    return left, right
+
+
 def parse_moe_layer_freq(text: Any) -> int | list[int]:
     """--moe-layer-freq: `N` (every N-th layer), a list `[0,1,1,1]` / `0,1,1,1`, or
     Megatron's pattern `[0]*1+[1]*3` (parsed here; never evaluated)."""
+    return _parse_layer_pattern(text, "--moe-layer-freq")
+
+
+def parse_window_attn_skip_freq(text: Any) -> int | list[int]:
+    """--window-attn-skip-freq: as --moe-layer-freq (N, or a 0/1 list; 1 = sliding window)."""
+    return _parse_layer_pattern(text, "--window-attn-skip-freq")
+
+
+# parsers that take a whole list from a config file (others convert item by item)
+_LIST_PARSERS = (parse_moe_layer_freq, parse_window_attn_skip_freq)
+
+
+def _parse_layer_pattern(text: Any, flag: str) -> int | list[int]:
     if isinstance(text, (int, list)):
         return text
     src = str(text).replace(" ", "")
@@ -228,7 +287,7 @@ def parse_moe_layer_freq(text: Any) -> int | list[int]:
         m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", term)
         if m is None:
             raise argparse.ArgumentTypeError(
-                f"--moe-layer-freq {text!r}: expected N, 0,1,1,1, [0,1,1,1] or [0]*1+[1]*3"
+                f"{flag} {text!r}: expected N, 0,1,1,1, [0,1,1,1] or [0]*1+[1]*3"
             )
         out += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
     return out
@@ -491,7 +550,7 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
                 raise ArgumentError(
                     f"--config {path}: key {key!r}: type {convert!r} is not callable"
                 )
-            if isinstance(value, list) and convert is not parse_moe_layer_freq:
+            if isinstance(value, list) and convert not in _LIST_PARSERS:
                 value = [convert(v) for v in value]
             else:
                 value = convert(value)

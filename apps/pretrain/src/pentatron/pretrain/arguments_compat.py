@@ -21,11 +21,6 @@ from typing import Any
 from .arguments_validate import ArgumentError
 
 
-def _tuple_of_ints(text: str) -> tuple[int, ...]:
-    """--window-size 127,0 (Megatron's tuple_type)."""
-    return tuple(int(x) for x in str(text).strip("()[] ").split(","))
-
-
 def add_compat_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Megatron-LM kernel and feature choices")
     # kernel choices (NOTED)
@@ -54,14 +49,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-flex-dispatcher-backend", default="deepep", choices=["deepep", "hybridep"]
     )
-    g.add_argument(
-        "--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"]
-    )
-    g.add_argument("--window-size", type=_tuple_of_ints, default=None)
-    g.add_argument("--window-attn-skip-freq", default=None)
-    g.add_argument("--activation-func-clamp-value", type=float, default=None)
-    g.add_argument("--glu-linear-offset", type=float, default=0.0)
-    g.add_argument("--quick-geglu", action="store_true")
     # Megatron-FSDP (MAPPED onto FSDP2 / the distributed optimizer)
     g.add_argument("--use-megatron-fsdp", action="store_true")
     g.add_argument(
@@ -158,32 +145,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "transformer-engine's cross-entropy kernel is not wired",
         "use --cross-entropy-fusion-impl native",
     ),
-    "softmax_type": (
-        lambda v: v != "vanilla",
-        "attention sinks (gpt-oss) are " + _LATER,
-        "use --softmax-type vanilla",
-    ),
-    "window_size": (
-        lambda v: v is not None,
-        "sliding-window attention (gpt-oss) is " + _LATER,
-        "drop --window-size",
-    ),
-    "window_attn_skip_freq": (
-        lambda v: v is not None,
-        "sliding-window attention (gpt-oss) is " + _LATER,
-        "drop --window-attn-skip-freq",
-    ),
-    "activation_func_clamp_value": (
-        lambda v: v is not None,
-        "the clamped gpt-oss GLU is " + _LATER,
-        "drop --activation-func-clamp-value",
-    ),
-    "glu_linear_offset": (
-        lambda v: v != 0.0,
-        "the offset gpt-oss GLU is " + _LATER,
-        "drop --glu-linear-offset",
-    ),
-    "quick_geglu": (bool, "quick-GeGLU (gpt-oss) is " + _LATER, "use --swiglu"),
 }
 
 _FLAG_OF = {

@@ -532,6 +532,37 @@ def _training_length(args: argparse.Namespace) -> None:
         )
 
 
+def _attention_variants_spec(args: argparse.Namespace) -> None:
+    """gpt-oss's sinks and sliding windows run in the local attention (pentatron.models
+    attention_variants); the transformer-engine layout's attention is plain causal."""
+    if args.quick_geglu and args.swiglu:
+        _fail("quick-geglu", True, "--quick-geglu and --swiglu are exclusive", "pass one")
+    variants = [
+        f"--{flag} {value}"
+        for flag, value, default in (
+            ("softmax-type", args.softmax_type, "vanilla"),
+            ("window-size", args.window_size, None),
+        )
+        if value != default
+    ]
+    if not variants or args.transformer_impl != "transformer_engine":
+        return
+    if args.fp8_format:
+        _fail(
+            "fp8-format",
+            args.fp8_format,
+            f"FP8 runs through the transformer-engine layout, whose attention has no "
+            f"{' / '.join(variants)}",
+            "drop --fp8-format, or the attention variant",
+        )
+    args.transformer_impl = "local"
+    args.startup_notes.append(
+        f"{', '.join(variants)}: runs on the local PyTorch spec (the transformer-engine "
+        "attention is wired for the plain softmax only); pass --transformer-impl local to "
+        "silence this"
+    )
+
+
 def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> None:
     if args.fp16 and args.bf16:
         _fail("fp16", True, "--fp16 and --bf16 are exclusive", "pass one")
@@ -572,6 +603,7 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> N
             "--multi-latent-attention runs on the local PyTorch spec (its transformer-engine "
             "layout is not built yet); pass --transformer-impl local to silence this"
         )
+    _attention_variants_spec(args)
     needs_gpu = {
         "enable-cuda-graph": args.enable_cuda_graph,
         "fp8-format": args.fp8_format,
@@ -742,6 +774,7 @@ _FIELD_FLAGS = {
     "num_moe_experts": "num-experts",
     "layernorm_epsilon": "norm-epsilon",
     "activation": "swiglu",
+    "window_attn_skip_freq": "window-attn-skip-freq",
     "add_bias_linear": "disable-bias-linear",
     "fp8": "fp8-format",
     "tensor_model_parallel_size": "tensor-model-parallel-size",

@@ -60,6 +60,25 @@ class MemoryPlan:
                 "size it without mla_up_proj (an upper bound), or measure it",
             ),
         ]
+        gpt_oss = [
+            flag
+            for flag, on in (
+                ("--quick-geglu", c.activation == "quick_geglu"),
+                ("--glu-linear-offset", c.glu_linear_offset != 0.0),
+                ("--activation-func-clamp-value", c.activation_func_clamp_value is not None),
+                ("--softmax-type", c.softmax_type != "vanilla"),
+                ("--window-size", c.window_size is not None),
+            )
+            if on
+        ]
+        refused.append(
+            (
+                bool(gpt_oss),
+                f"{gpt_oss[0] if gpt_oss else ''}: gpt-oss's activation and attention "
+                "variants (their extra saved tensors, the sink's padded q/k/v) are not sized yet",
+                "measure it with torchrun -m pentatron.pretrain.memory.measure",
+            )
+        )
         for bad, what, fix in refused:
             if bad:
                 raise MemoryPlanError(f"{what}; fix: {fix}")

@@ -5,7 +5,8 @@ at pp=1 and pp=2, and runs at two layouts cannot be compared. Here each random p
 is drawn as its full (tp=1) tensor from a generator seeded by (seed, global parameter
 name), then cut to this rank's tp shard (experts: its ep experts and etp shard): the weights depend on the seed and the model only.
 The cost is one full tensor per parameter at start-up (as Megatron's
---use-cpu-initialization). Norm weights and biases keep their constant init.
+--use-cpu-initialization). Norm weights and biases keep their constant init; the one
+random vector, gpt-oss's learnable softmax sinks (`[nq]`, split by heads), is re-drawn too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pentatron.models.sharding import global_param_name, param_sharding, shard_f
 
 _TIED = "embedding.word_embeddings.weight"
 _SCALED = (".linear_proj.weight", ".linear_fc2.weight")
+_RANDOM_VECTORS = (".core_attention.softmax_offset",)  # 1-D yet drawn by the init method
 
 
 def _std(name: str, config: TransformerConfig) -> float:
@@ -47,9 +49,9 @@ def init_weights_layout_independent(model, seed: int) -> None:
     """Re-draw every matrix of GPTModel chunk `model` (see the module docstring)."""
     par, config = model.parallel, model.config
     for local, param in model.named_parameters():
-        if param.dim() < 2:
-            continue
         name = global_param_name(local, model.layer_offset)
+        if param.dim() < 2 and not name.endswith(_RANDOM_VECTORS):
+            continue
         key = (
             _TIED
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights
