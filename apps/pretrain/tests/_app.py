@@ -213,6 +213,15 @@ def first_steps(record: dict[str, list], steps: int) -> dict[str, list]:
     return {key: values[:steps] for key, values in record.items()}
 
 
+def resumed_losses(distributed, common: list[str], layout: list[str], ckpt: str) -> list:
+    """Train `common` at `layout` (world 8) to step 3 and save; resume at tp1-pp1-dp4 with
+    the distributed optimizer to step 5: each of the 4 ranks' losses of steps 4 and 5."""
+    save = [*common, *layout, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
+    distributed.run(8, train, save)
+    resume = [*common, "--use-distributed-optimizer", "--load", ckpt, "--exit-interval", "5"]
+    return last_stage(distributed.run(4, train, resume), count=4)
+
+
 def last_stage(per_rank: list, count: int | None = None) -> list:
     """The results of the ranks that hold losses (the last pipeline stage); there must be
     `count` of them (world / pp) when given, else at least one."""

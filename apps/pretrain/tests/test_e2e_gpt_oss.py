@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _app import TINY_GPT, TP2_PP2, assert_matches_reference, last_stage, train, train_record
+from _app import TINY_GPT, TP2_PP2, assert_matches_reference, resumed_losses, train_record
 
 GPT_OSS = ["--softmax-type", "learnable", "--window-size", "3,0", "--window-attn-skip-freq", "2"]
 GPT_OSS += ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.5"]
@@ -39,11 +39,7 @@ def test_gpt_oss_losses_and_grad_norms_match_one_process(distributed, reference)
 
 
 def test_gpt_oss_checkpoint_resumes_at_another_layout(distributed, reference, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    save = [*COMMON, *LAYOUT, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
-    distributed.run(8, train, save)
-    resume = [*COMMON, "--use-distributed-optimizer", "--load", ckpt, "--exit-interval", "5"]
-    for losses in last_stage(distributed.run(4, train, resume), count=4):
+    for losses in resumed_losses(distributed, COMMON, LAYOUT, str(tmp_path / "ckpt")):
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(reference["losses"][3:5]), rtol=1e-6, atol=0.0
         )

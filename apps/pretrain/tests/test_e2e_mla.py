@@ -22,8 +22,7 @@ from _app import (
     TP2_PP2,
     assert_matches_reference,
     first_steps,
-    last_stage,
-    train,
+    resumed_losses,
     train_record,
 )
 
@@ -79,12 +78,8 @@ def test_aux_loss_grads_not_scaled_by_cp_are_caught(distributed, reference):
 
 
 def test_mla_checkpoint_resumes_at_another_layout(distributed, reference, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
     layout = LAYOUTS["tp2-pp2-dp2-sp-distopt"]
-    save = [*COMMON, *layout, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
-    distributed.run(8, train, save)
-    resume = [*COMMON, "--use-distributed-optimizer", "--load", ckpt, "--exit-interval", "5"]
-    for losses in last_stage(distributed.run(4, train, resume), count=4):
+    for losses in resumed_losses(distributed, COMMON, layout, str(tmp_path / "ckpt")):
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(reference["losses"][3:5]), rtol=1e-5, atol=0.0
         )
