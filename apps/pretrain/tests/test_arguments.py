@@ -209,6 +209,7 @@ def test_main_reports_bad_flags_and_exits_2(capsys, monkeypatch):
         ("llama3-8b-like.yaml", 64),
         ("mixtral-8x7b-like.yaml", 64),
         ("deepseek-v3-like.yaml", 8),
+        ("gpt-oss-20b-like.yaml", 8),
     ],
 )
 def test_example_configs_validate_at_their_world_size(name, world):
