@@ -39,6 +39,7 @@ CONFIGS = [
         add_bias_linear=False,
         kv_channels=16,
     ),
+    dict(num_moe_experts=4, moe_ffn_hidden_size=24),  # biases: the router's [E] too
     dict(  # gpt-oss: learnable sinks (one per head), windows, quick-GeGLU
         activation="quick_geglu",
         glu_linear_offset=1.0,

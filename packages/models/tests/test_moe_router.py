@@ -35,6 +35,7 @@ def cfg(**kw) -> TransformerConfig:
         moe_router_topk=2,
         params_dtype=torch.float64,
         init_method_std=0.5,
+        add_bias_linear=False,  # the closed forms below have no logit bias; tested apart
     )
     base.update(kw)
     return TransformerConfig(**base)
@@ -336,6 +337,34 @@ def test_weight_init_and_attributes() -> None:
     )
     assert "expert_bias" in bias_router.state_dict()
     assert "local_tokens_per_expert" not in bias_router.state_dict()
+
+
+@pytest.mark.parametrize("router_dtype", [None, "fp32"])
+def test_logit_bias_with_add_bias_linear(router_dtype) -> None:
+    """Megatron's router under add_bias_linear: logits x W^T + b in the router dtype, b [E]
+    drawn after W from N(0, std^2) and tagged like W; grads are plain autograd's of
+    F.linear, returned in the parameters' dtype."""
+    router = make_router(add_bias_linear=True, moe_router_dtype=router_dtype)
+    torch.manual_seed(0)
+    w_ref = torch.empty(E, H, dtype=torch.float64).normal_(0.0, 0.5)
+    b_ref = torch.empty(E, dtype=torch.float64).normal_(0.0, 0.5)
+    assert torch.equal(router.weight.detach(), w_ref) and torch.equal(router.bias.detach(), b_ref)
+    assert router.bias.sequence_parallel is False and "bias" in router.state_dict()
+    x = hidden().reshape(-1, H).requires_grad_()
+    logits = router._gating(x)
+    grad = torch.randn_like(logits)
+    logits.backward(grad)
+    w, b = w_ref.clone().requires_grad_(), b_ref.clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    dtype = torch.float32 if router_dtype == "fp32" else torch.float64
+    ref = torch.nn.functional.linear(x2.to(dtype), w.to(dtype), b.to(dtype))
+    ref.backward(grad)
+    tol = {"rtol": RTOL, "atol": 1e-15} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(logits, ref, **tol)
+    for got, want in ((x.grad, x2.grad), (router.weight.grad, w.grad), (router.bias.grad, b.grad)):
+        assert got.dtype == torch.float64  # the parameters' and input's dtype
+        torch.testing.assert_close(got, want, **tol)
+    assert make_router(add_bias_linear=False).bias is None
 
 
 # --- tracker and expert bias in one process -----------------------------------------------

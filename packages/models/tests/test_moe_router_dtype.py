@@ -38,7 +38,7 @@ def _router(router_dtype, **kw) -> TopKRouter:
         params_dtype=torch.bfloat16,
         init_method_std=0.5,
         moe_router_dtype=router_dtype,
-        **kw,
+        **{"add_bias_linear": False, **kw},  # the references have no logit bias
     )
     return TopKRouter(config, layer_number=1)
 

@@ -74,12 +74,13 @@ def _dense_mlp_parameters(config: TransformerConfig, ffn: int) -> int:
 
 
 def _moe_parameters(config: TransformerConfig, active: bool) -> int:
-    """Router `[E, h]`, E experts (`active`: only the top-k a token uses), shared experts
+    """Router `[E, h]` (+ `[E]` bias), E experts (`active`: only the top-k a token uses), shared experts
     (a dense MLP, with Qwen2-MoE's gate `[1, h]`); the expert bias is a buffer."""
     h, experts = config.hidden_size, config.num_moe_experts
     assert experts is not None, "a MoE layer has experts"
     used = config.moe_router_topk if active else experts
-    n = experts * h + used * _dense_mlp_parameters(config, config.moe_ffn_size)
+    router = experts * h + (experts if config.add_bias_linear else 0)  # + its logit bias
+    n = router + used * _dense_mlp_parameters(config, config.moe_ffn_size)
     shared = config.moe_shared_expert_intermediate_size
     if shared:
         n += _dense_mlp_parameters(config, shared) + (h if config.moe_shared_expert_gate else 0)

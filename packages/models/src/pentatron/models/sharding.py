@@ -16,7 +16,8 @@ Names are Megatron's local-spec state-dict names. With t tp ranks, rank r holds:
 | mlp.linear_fc2.weight [h, ffn]               | dim 1              | columns r ffn/t ...      |
 | MTP: mtp.layers.{k}.eh_proj.weight [h, 2h]   | dim 0, contiguous  | rows r h/t ...           |
 | norms, position embeddings, row biases       | replicated         | the full tensor          |
-| mlp.router.weight / .expert_bias, gate_weight| replicated         | the full tensor          |
+| mlp.router.weight / .bias / .expert_bias     | replicated         | the full tensor          |
+| mlp.shared_experts.gate_weight               | replicated         | the full tensor          |
 | mlp.experts.linear_fc1.weight [E, F1, h]     | ep dim 0, etp dim 1 (stride 2 swiglu) |  |
 | mlp.experts.linear_fc1.bias [E, F1]          | ep dim 0, etp dim 1 (stride 2 swiglu) |  |
 | mlp.experts.linear_fc2.weight [E, h, ffn]    | ep dim 0, etp dim 2|                          |
@@ -61,7 +62,7 @@ _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _HEADS = re.compile(r"\.core_attention\.softmax_offset$")  # learnable sinks, one per head
 _REPLICATED = re.compile(
     r"(layernorm\.(weight|bias)|layer_norm_(weight|bias)|position_embeddings\.weight|(linear_proj|linear_fc2)\.bias"
-    r"|router\.(weight|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight"
+    r"|router\.(weight|bias|expert_bias|local_tokens_per_expert)|shared_experts\.gate_weight"
     r"|(enorm|hnorm)\.(weight|bias)|(linear_q_down_proj|linear_kv_down_proj)\.weight)$"
 )
 # A layer's separate norm (local spec) -> the same norm fused into the next linear (TE spec).

@@ -100,12 +100,14 @@ def _dense_mlp(plan: MemoryPlan, p: str, ffn: int) -> list[ParamSpec]:
 
 
 def _moe(plan: MemoryPlan, p: str) -> list[ParamSpec]:
-    """Router [E, h]; experts stacked [E/ep, F1/etp, h] and [E/ep, h, F/etp] (+ biases);
+    """Router [E, h] (+ bias [E]); experts stacked [E/ep, F1/etp, h] and [E/ep, h, F/etp] (+ biases);
     shared experts a dense MLP split over tp (+ its gate [1, h] when gated)."""
     c = plan.config
     e_local, f = c.num_moe_experts // plan.ep, c.moe_ffn_size
     f1 = f * (2 if c.gated_linear_unit else 1)
     out = [ParamSpec(f"{p}.router.weight", c.num_moe_experts * c.hidden_size)]
+    if c.add_bias_linear:  # Megatron's router logit bias
+        out.append(ParamSpec(f"{p}.router.bias", c.num_moe_experts))
     h, etp = c.hidden_size, plan.etp
     out.append(ParamSpec(f"{p}.experts.linear_fc1.weight", e_local * (f1 // etp) * h, True))
     if c.add_bias_linear:

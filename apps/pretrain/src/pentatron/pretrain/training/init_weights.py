@@ -5,8 +5,9 @@ at pp=1 and pp=2, and runs at two layouts cannot be compared. Here each random p
 is drawn as its full (tp=1) tensor from a generator seeded by (seed, global parameter
 name), then cut to this rank's tp shard (experts: its ep experts and etp shard): the weights depend on the seed and the model only.
 The cost is one full tensor per parameter at start-up (as Megatron's
---use-cpu-initialization). Norm weights and biases keep their constant init; the one
-random vector, gpt-oss's learnable softmax sinks (`[nq]`, split by heads), is re-drawn too.
+--use-cpu-initialization). Norm weights and biases keep their constant init; the random
+vectors, gpt-oss's learnable softmax sinks (`[nq]`, split by heads) and the MoE router's
+logit bias, are re-drawn too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pentatron.models.sharding import global_param_name, param_sharding, shard_f
 
 _TIED = "embedding.word_embeddings.weight"
 _SCALED = (".linear_proj.weight", ".linear_fc2.weight")
-_RANDOM_VECTORS = (".core_attention.softmax_offset",)  # 1-D yet drawn by the init method
+# 1-D yet drawn by the init method (Megatron's): gpt-oss's sinks, the MoE router's bias
+_RANDOM_VECTORS = (".core_attention.softmax_offset", ".router.bias")
 
 
 def _std(name: str, config: TransformerConfig) -> float:

@@ -72,26 +72,36 @@ def score_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 class RouterGatingLinear(torch.autograd.Function):
-    """`x [T, h] @ weight [E, h]^T` in `dtype`, keeping `x` and `weight` as they are for
-    backward (not their `dtype` copies); grads are computed in `dtype` and returned in the
-    inputs' dtypes (Megatron's RouterGatingLinearFunction)."""
+    """`x [T, h] @ weight [E, h]^T (+ bias [E])` in `dtype`, keeping `x` and `weight` as they
+    are for backward (not their `dtype` copies); grads are computed in `dtype` and returned
+    in the inputs' dtypes (Megatron's RouterGatingLinearFunction)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.dtype = dtype
-        return torch.mm(x.to(dtype), weight.to(dtype).t())
+        ctx.dtype, ctx.bias_dtype = dtype, None if bias is None else bias.dtype
+        if bias is None:
+            return torch.mm(x.to(dtype), weight.to(dtype).t())
+        return torch.addmm(bias.to(dtype), x.to(dtype), weight.to(dtype).t())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad = grad.to(ctx.dtype)
-        dx = dw = None
+        dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(grad, weight.to(ctx.dtype)).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.mm(grad.t(), x.to(ctx.dtype)).to(weight.dtype)
-        return dx, dw, None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = grad.sum(dim=0).to(ctx.bias_dtype)
+        return dx, dw, db, None
 
 
 class RandomSTE(torch.autograd.Function):
@@ -185,7 +195,9 @@ class TopKRouter(torch.nn.Module):
     """Route each of this rank's tokens to its top-k experts (see the module docstring).
 
     Parameter `weight [E, h]` (params_dtype, N(0, init_method_std^2) from the default RNG,
-    `sequence_parallel = config.sequence_parallel` so its tp-partial grad is all-reduced).
+    `sequence_parallel = config.sequence_parallel` so its tp-partial grad is all-reduced),
+    and with `add_bias_linear` (Megatron's default) a logit bias `bias [E]`, drawn and
+    tagged the same way (gpt-oss's router has one).
     Buffers with `moe_router_enable_expert_bias`: `expert_bias [E]` (fp32, persistent) and
     `local_tokens_per_expert [E]` (fp32, not persistent: counts since the last bias update);
     both are None otherwise. `aux_loss_record` holds the losses for logging.
@@ -206,6 +218,14 @@ class TopKRouter(torch.nn.Module):
         with torch.no_grad():
             self.weight.normal_(0.0, config.init_method_std)
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # a Parameter tag
+        self.bias: torch.nn.Parameter | None = None
+        if config.add_bias_linear:  # Megatron: a learned logit bias, drawn like the weight
+            self.bias = torch.nn.Parameter(
+                torch.empty(experts, dtype=config.params_dtype, device=device)
+            )
+            with torch.no_grad():
+                self.bias.normal_(0.0, config.init_method_std)
+            self.bias.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         if config.moe_router_enable_expert_bias:
             self.register_buffer(
                 "expert_bias", torch.zeros(experts, dtype=torch.float32, device=device)
@@ -280,7 +300,7 @@ class TopKRouter(torch.nn.Module):
         eps = self.config.moe_input_jitter_eps
         if eps is not None and self.training:  # multiplicative noise U(1-eps, 1+eps)
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        return RouterGatingLinear.apply(x, self.weight, dtype)
+        return RouterGatingLinear.apply(x, self.weight, self.bias, dtype)
 
     def _loss_scale_up(self, loss: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return loss * num_tokens if self.calculate_per_token_loss else loss
