@@ -1,7 +1,7 @@
 """gpt-oss through the app, with the flags of Megatron's examples/gptoss/02_train.sh:
 learnable softmax sinks, a sliding window (3 keys back here, on layers 1 and 3: every second
-layer full), quick-GeGLU with the linear offset 1 and a clamp, MoE with the alltoall
-dispatcher. 6 steps at tp2-pp2-dp2 with SP and the distributed optimizer give one process's
+layer full), quick-GeGLU with the linear offset 1 and a clamp, YaRN RoPE, MoE (with the
+router's logit bias) and the alltoall dispatcher. 6 steps at tp2-pp2-dp2 with SP and the distributed optimizer give one process's
 losses and grad norms (before clipping, every rank; fp32, rtol 1e-6: the order of sums
 only); a checkpoint saved there resumes at tp1-pp1-dp4 with the next losses (the sinks
 reshard by heads). The memory calculator refuses the variants by flag."""
@@ -20,6 +20,13 @@ from _app import TINY_GPT, TP2_PP2, assert_matches_reference, resumed_losses, tr
 
 GPT_OSS = ["--softmax-type", "learnable", "--window-size", "3,0", "--window-attn-skip-freq", "2"]
 GPT_OSS += ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.5"]
+# YaRN on standard attention (gpt-oss: x32 over 4096 positions): x4 over 8 of the 16 here
+GPT_OSS += ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"]
+GPT_OSS += [
+    "--yarn-original-max-position-embeddings",
+    "8",
+    "--no-yarn-correction-range-round-to-int",
+]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
 MOE += ["--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
 COMMON = [f for f in TINY_GPT if f != "--swiglu"] + GPT_OSS + MOE

@@ -282,3 +282,33 @@ def test_sinks_start_from_one_master_at_every_tp(distributed, planted):
     assert merged.keys() == want.keys()
     same = [torch.equal(merged[n], want[n]) for n in want]
     assert same == ([False] * base.num_layers if planted else [True] * base.num_layers)
+
+
+@pytest.mark.parametrize("round_to_int", [False, True], ids=["gpt-oss", "truncated"])
+def test_yarn_rope_for_standard_attention_matches_transformers(round_to_int):
+    """position_embedding_type="yarn" (Megatron's YarnRotaryEmbedding; gpt-oss: factor 32,
+    beta 32 / 1, 4096 original positions, no rounding of the correction range): cos and sin
+    equal transformers' gpt-oss rotary embedding, its attention factor included."""
+    hf = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from pentatron.models.rope import RotaryEmbedding
+
+    config = small_config(
+        position_embedding_type="yarn",
+        kv_channels=16,
+        rotary_base=150000.0,
+        rotary_scaling_factor=32.0,
+        yarn_correction_range_round_to_int=round_to_int,
+    )
+    hf_config = hf.GptOssConfig(
+        hidden_size=32, num_attention_heads=8, head_dim=16, num_key_value_heads=4
+    )
+    hf_config.rope_parameters["truncate"] = round_to_int
+    ref = GptOssRotaryEmbedding(hf_config)
+    pos = torch.arange(0, 6000, 97)[None]
+    want_cos, want_sin = ref(torch.zeros(1, pos.size(1), 32), pos)  # [1, s, d/2]
+    cos, sin = RotaryEmbedding(config, yarn=True)(pos, pos.size(1))  # [s, 1, 1, d]
+    assert ref.attention_scaling > 1.3  # the concentration factor is in both
+    torch.testing.assert_close(cos[:, 0, 0, :8], want_cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin[:, 0, 0, :8], want_sin[0], rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--position-embedding-type",
         default="learned_absolute",
-        choices=["learned_absolute", "rope", "none"],
+        choices=["learned_absolute", "rope", "yarn", "none"],
     )
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--rotary-percent", type=float, default=1.0)

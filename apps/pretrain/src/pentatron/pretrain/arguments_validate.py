@@ -73,7 +73,7 @@ def _megatron_forms(args: argparse.Namespace) -> None:
                 "pass one of them",
             )
         args.recompute_granularity = "selective"
-    if not args.add_position_embedding and args.position_embedding_type != "rope":
+    if not args.add_position_embedding and args.position_embedding_type not in ("rope", "yarn"):
         _fail(
             "no-position-embedding",
             True,
@@ -325,21 +325,28 @@ _MLA_SHAPE = {
 
 
 def _rope_type(args: argparse.Namespace) -> None:
-    """--rope-type: MLA takes YaRN unless `rope` (then no scaling); standard attention rope."""
+    """--rope-type: MLA takes YaRN unless `rope` (then no scaling); standard attention takes
+    YaRN with --position-embedding-type yarn (Megatron's), which reads the same flags."""
     yarn_set = [
         f"--{d.replace('_', '-')}"
         for d, default in (("rotary_scaling_factor", 1.0), ("mscale", 1.0), ("mscale_all_dim", 0.0))
         if getattr(args, d) != default
     ]
     if not args.multi_latent_attention:
-        if args.rope_type == "yarn" or yarn_set:
-            flag = "rope-type" if args.rope_type == "yarn" else yarn_set[0][2:]
+        if args.rope_type == "yarn":
+            _fail(
+                "rope-type",
+                "yarn",
+                "--rope-type picks multi-latent attention's RoPE",
+                "use --position-embedding-type yarn for standard attention",
+            )
+        if yarn_set and args.position_embedding_type != "yarn":
+            flag = yarn_set[0][2:]
             _fail(
                 flag,
-                args.rope_type if flag == "rope-type" else getattr(args, flag.replace("-", "_")),
-                "YaRN scales multi-latent attention's RoPE only here",
-                "add --multi-latent-attention, or use --use-rope-scaling (Llama 3) for "
-                "standard attention",
+                getattr(args, flag.replace("-", "_")),
+                "a YaRN setting, read with --position-embedding-type yarn (or MLA's RoPE)",
+                "add --position-embedding-type yarn, or drop it",
             )
     elif args.rope_type == "rope" and yarn_set:
         _fail(
@@ -775,6 +782,7 @@ _FIELD_FLAGS = {
     "layernorm_epsilon": "norm-epsilon",
     "activation": "swiglu",
     "window_attn_skip_freq": "window-attn-skip-freq",
+    "rope_scaling": "use-rope-scaling",
     "add_bias_linear": "disable-bias-linear",
     "fp8": "fp8-format",
     "tensor_model_parallel_size": "tensor-model-parallel-size",

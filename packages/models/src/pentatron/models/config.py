@@ -31,7 +31,8 @@ from .sdpa import ATTENTION_BACKENDS
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu", "quick_geglu")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
+ROTARY_EMBEDDINGS = ("rope", "yarn")  # yarn: RoPE with YaRN's frequencies (rope.py)
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 
@@ -328,7 +329,7 @@ class TransformerConfig:
     def _check_rope(self) -> None:
         if not 0.0 < self.rotary_percent <= 1.0:
             _fail("rotary_percent", self.rotary_percent, "0 < rotary_percent <= 1", "e.g. 1.0")
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ROTARY_EMBEDDINGS:
             if self.rotary_dim % 2:
                 _fail(
                     "rotary_percent",
@@ -339,11 +340,22 @@ class TransformerConfig:
                 )
             if not self.rotary_base > 0:
                 _fail("rotary_base", self.rotary_base, "> 0", "e.g. 10000")
-        elif self.rope_scaling is not None:
+        if self.position_embedding_type == "yarn":
+            if not self.rotary_scaling_factor >= 1.0:
+                _fail(
+                    "rotary_scaling_factor",
+                    self.rotary_scaling_factor,
+                    ">= 1 with position_embedding_type='yarn' (1: plain RoPE)",
+                    "e.g. rotary_scaling_factor=32 (gpt-oss)",
+                )
+            _positive_int(
+                "yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings
+            )
+        if self.rope_scaling is not None and self.position_embedding_type != "rope":
             _fail(
                 "rope_scaling",
                 self.rope_scaling,
-                "RoPE scaling needs position_embedding_type='rope'",
+                "Llama 3's RoPE scaling needs position_embedding_type='rope' (not with YaRN)",
                 "set position_embedding_type='rope' or rope_scaling=None",
             )
 

@@ -444,19 +444,19 @@ def _check_layer_freq(c: Any) -> None:
 def check_mla(c: Any) -> None:
     """Multi-latent attention (`multi_latent_attention`): its shapes, and what it runs with.
 
-    Supported: any tp (heads split; the down-projections split by rows and all-gathered,
-    as Megatron's local spec), sequence parallelism, pipeline and virtual stages, context
-    parallelism (every cp_comm_type; V travels zero-padded to q/k's head dim), MoE,
+    Supported: any tp (heads split; the down-projections duplicated on every tp rank, as
+    Megatron's transformer-engine spec), sequence parallelism, pipeline and virtual stages,
+    context parallelism (every cp_comm_type; V travels zero-padded to q/k's head dim), MoE,
     recompute, YaRN (`rotary_scaling_factor` > 1). Not yet: the transformer-engine layout
     (refused by the spec, naming the fix)."""
     if not c.multi_latent_attention:
-        if c.rotary_scaling_factor != 1.0:
+        if c.rotary_scaling_factor != 1.0 and c.position_embedding_type != "yarn":
             fail(
                 "rotary_scaling_factor",
                 c.rotary_scaling_factor,
-                "YaRN scales multi-latent attention's RoPE only",
-                "set multi_latent_attention=True, or use rope_scaling (Llama 3) for standard "
-                "attention",
+                "YaRN scales standard attention's RoPE with position_embedding_type='yarn' "
+                "(and multi-latent attention's)",
+                "set position_embedding_type='yarn', or use rope_scaling (Llama 3)",
             )
         return
     if not c.rotary_scaling_factor >= 1.0:

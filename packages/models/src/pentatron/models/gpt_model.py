@@ -42,7 +42,7 @@ from pentatron.tp_layers import (
     vocab_parallel_cross_entropy,
 )
 
-from .config import ModelConfigError, TransformerConfig
+from .config import ROTARY_EMBEDDINGS, ModelConfigError, TransformerConfig
 from .context_parallel import cp_positions
 from .embedding import LanguageModelEmbedding
 from .mtp import MultiTokenPredictionBlock, mtp_loss
@@ -115,8 +115,10 @@ class GPTModel(torch.nn.Module):
                 self.position_embedding_type,
                 tp_group=par.tp_group,
             )
-        if self.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config)
+        if self.position_embedding_type in ROTARY_EMBEDDINGS:
+            self.rotary_pos_emb = RotaryEmbedding(
+                config, yarn=self.position_embedding_type == "yarn"
+            )
         self.decoder = TransformerBlock(
             config,
             spec,
@@ -274,7 +276,7 @@ class GPTModel(torch.nn.Module):
             position_ids = self._cp_position_ids(input_ids)
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary = None
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ROTARY_EMBEDDINGS:
             s = self._seq_len(input_ids, position_ids)
             rotary = self.rotary_pos_emb(position_ids, s, device=self._device())
         hidden = self.decoder(hidden, attention_mask, rotary)

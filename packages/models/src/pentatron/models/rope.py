@@ -65,23 +65,28 @@ def yarn_concentration(config: TransformerConfig) -> float:
 
 
 def uses_yarn(config: TransformerConfig) -> bool:
+    """YaRN's frequencies: position_embedding_type "yarn", or MLA with a scaling factor."""
+    if config.position_embedding_type == "yarn":
+        return True
     return config.multi_latent_attention and config.rotary_scaling_factor != 1.0
 
 
 class RotaryEmbedding(torch.nn.Module):
     """Produces `(cos, sin)` for given positions; holds no parameters (not in state dicts).
-    Multi-latent attention with `rotary_scaling_factor` > 1 takes YaRN's frequencies and
-    scales cos and sin by its concentration factor."""
+    With `yarn` (position_embedding_type="yarn", Megatron's YarnRotaryEmbedding for standard
+    attention: gpt-oss) or multi-latent attention with `rotary_scaling_factor` > 1, YaRN's
+    frequencies, and cos and sin scaled by its concentration factor (Megatron's attention
+    passes that factor as `mscale` where it applies RoPE)."""
 
     inv_freq: torch.Tensor  # a buffer (registered in __init__)
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, yarn: bool = False) -> None:
         super().__init__()
         self.dim = config.rotary_dim
         scaling = config.rope_scaling
         assert not isinstance(scaling, dict), "TransformerConfig.__post_init__ makes it RopeScaling"
         self.concentration = 1.0
-        if uses_yarn(config):
+        if yarn or uses_yarn(config):
             inv = yarn_inv_freq(self.dim, config.rotary_base, config)
             self.concentration = yarn_concentration(config)
         else:

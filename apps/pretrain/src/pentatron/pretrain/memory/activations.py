@@ -95,7 +95,7 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
         att, core = _mla_terms(plan, s, s_, b, e)
     else:
         att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
-    if c.position_embedding_type == "rope" and e != 4:
+    if c.position_embedding_type in ("rope", "yarn") and e != 4:
         att += 4 * e * s * _pos_batch(plan, first) * c.rotary_dim  # cos/sin casts, q and k
     out.attention, out.core_attention = att, core
     ffn = c.moe_ffn_size if is_moe else c.ffn_hidden_size
@@ -131,7 +131,7 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     c = plan.config
     if plan.cp > 1:
         return _cp_attention_terms(plan, sb, b, e, nq, ng, d)
-    rope = c.position_embedding_type == "rope"
+    rope = c.position_embedding_type in ("rope", "yarn")
     # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims,
     # fp32 on CUDA (or with an attention mask, which the app never passes): models.sdpa.
     gqa = nq != ng and not _grouped_kv(plan, nq // ng, d)
@@ -237,7 +237,7 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute with cp is
     not measured (sized as without it)."""
     c, cp = plan.config, plan.cp
-    rope = c.position_embedding_type == "rope"
+    rope = c.position_embedding_type in ("rope", "yarn")
     lse = 4 * nq * sb
     if c.cp_comm_type == "a2a":
         kv = ng if _grouped_kv(plan, nq // ng, d) else nq  # heads of k and v
@@ -319,7 +319,9 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     moe = c.moe_layer_pattern() if c.is_moe else [False] * c.num_layers
     out = ActivationTerms()
     mtp = bool(c.mtp_num_layers) and last  # the MTP stage gets the position ids too
-    if c.position_embedding_type == "rope" and (e == 4 or c.recompute_granularity == "full"):
+    if c.position_embedding_type in ("rope", "yarn") and (
+        e == 4 or c.recompute_granularity == "full"
+    ):
         out.rope = 2 * 4 * s * _pos_batch(plan, first or mtp) * c.rotary_dim
     if first:
         # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask,
