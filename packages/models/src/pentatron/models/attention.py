@@ -28,7 +28,7 @@ from pentatron.tp_layers import (
     set_tensor_model_parallel_attributes,
 )
 
-from .attention_variants import sink_sdpa, window_keep_mask
+from .attention_variants import variant_sdpa
 from .config import ModelConfigError, TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .recompute import recompute_now
@@ -152,33 +152,30 @@ class DotProductAttention(torch.nn.Module):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, n, s, d]
         p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
-        if self.window is not None:
-            band = window_keep_mask(s, self.window, q.device)
-            mask = band if mask is None else mask & band
-        if self.softmax_offset is not None:
-            with self._dropout_rng(p):
-                out = sink_sdpa(
+        with self._dropout_rng(p):
+            if self.window is None and self.softmax_offset is None:
+                out = grouped_sdpa(
                     q,
                     k,
                     v,
-                    self.softmax_offset,
+                    attn_mask=mask,
+                    dropout_p=p,
+                    is_causal=mask is None,
+                    scale=self.scale,
+                    attention_backend=self.config.attention_backend,
+                )
+            else:
+                out = variant_sdpa(
+                    q,
+                    k,
+                    v,
+                    sinks=self.softmax_offset,
+                    window=self.window,
                     keep=mask,
                     dropout_p=p,
                     scale=self.scale,
                     attention_backend=self.config.attention_backend,
                 )
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        with self._dropout_rng(p):
-            out = grouped_sdpa(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=p,
-                is_causal=mask is None,
-                scale=self.scale,
-                attention_backend=self.config.attention_backend,
-            )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _dropout_rng(self, p: float) -> Any:

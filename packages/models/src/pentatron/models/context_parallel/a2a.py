@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
-from ..attention_variants import sink_sdpa, window_keep_mask
+from ..attention_variants import variant_sdpa
 from ..config import ModelConfigError
 from ..sdpa import grouped_sdpa
 
@@ -100,27 +100,23 @@ def a2a_attention(
     chunk = s // (2 * cp)
     perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
     q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
-    keep = None if window is None else window_keep_mask(s, window, q.device)
-    if sinks is not None:
-        part = sinks.size(0) // cp
-        mine = sinks[dist.get_rank(group) * part :][:part]
-        out = sink_sdpa(
-            q,
-            k,
-            v,
-            mine,
-            keep=keep,
-            dropout_p=0.0,
-            scale=scale,
-            attention_backend=attention_backend,
+    if sinks is None and window is None:
+        out = grouped_sdpa(
+            q, k, v, is_causal=True, scale=scale, attention_backend=attention_backend
         )
     else:
-        out = grouped_sdpa(
+        mine = None
+        if sinks is not None:  # this cp rank's contiguous n/cp heads
+            part = sinks.size(0) // cp
+            mine = sinks[dist.get_rank(group) * part :][:part]
+        out = variant_sdpa(
             q,
             k,
             v,
-            attn_mask=keep,
-            is_causal=keep is None,
+            sinks=mine,
+            window=window,
+            keep=None,
+            dropout_p=0.0,
             scale=scale,
             attention_backend=attention_backend,
         )
