@@ -194,6 +194,14 @@ def check_attention_variants(c: Any) -> None:
             "(as Megatron's MLA)",
             "drop them, or multi_latent_attention=False",
         )
+    if c.attention_backend == "flash":
+        fail(
+            "attention_backend",
+            "flash",
+            f"with {what} attention passes SDPA an explicit mask, which its flash kernel "
+            "does not take on CUDA",
+            "attention_backend='auto' (or 'fused', 'unfused')",
+        )
     if c.context_parallel_size > 1 and c.cp_comm_type != "a2a":
         fail(
             what,
