@@ -33,7 +33,6 @@ from .config import ModelConfigError, TransformerConfig
 from .context_parallel.attention import check_cp_inputs, context_parallel_attention
 from .recompute import recompute_now
 from .rope import apply_rotary_pos_emb
-from .sdpa import grouped_sdpa
 from .spec import build_linear, build_module
 
 
@@ -153,29 +152,17 @@ class DotProductAttention(torch.nn.Module):
         p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
         with self._dropout_rng(p):
-            if self.window is None and self.softmax_offset is None:
-                out = grouped_sdpa(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=p,
-                    is_causal=mask is None,
-                    scale=self.scale,
-                    attention_backend=self.config.attention_backend,
-                )
-            else:
-                out = variant_sdpa(
-                    q,
-                    k,
-                    v,
-                    sinks=self.softmax_offset,
-                    window=self.window,
-                    keep=mask,
-                    dropout_p=p,
-                    scale=self.scale,
-                    attention_backend=self.config.attention_backend,
-                )
+            out = variant_sdpa(  # plain causal SDPA without sinks or a window
+                q,
+                k,
+                v,
+                sinks=self.softmax_offset,
+                window=self.window,
+                keep=mask,
+                dropout_p=p,
+                scale=self.scale,
+                attention_backend=self.config.attention_backend,
+            )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _dropout_rng(self, p: float) -> Any:

@@ -18,7 +18,6 @@ from pentatron.parallel_state import comm
 
 from ..attention_variants import variant_sdpa
 from ..config import ModelConfigError
-from ..sdpa import grouped_sdpa
 
 
 def _a2a(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -100,26 +99,21 @@ def a2a_attention(
     chunk = s // (2 * cp)
     perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
     q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
-    if sinks is None and window is None:
-        out = grouped_sdpa(
-            q, k, v, is_causal=True, scale=scale, attention_backend=attention_backend
-        )
-    else:
-        mine = None
-        if sinks is not None:  # this cp rank's contiguous n/cp heads
-            part = sinks.size(0) // cp
-            mine = sinks[dist.get_rank(group) * part :][:part]
-        out = variant_sdpa(
-            q,
-            k,
-            v,
-            sinks=mine,
-            window=window,
-            keep=None,
-            dropout_p=0.0,
-            scale=scale,
-            attention_backend=attention_backend,
-        )
+    mine = None
+    if sinks is not None:  # this cp rank's contiguous n/cp heads
+        part = sinks.size(0) // cp
+        mine = sinks[dist.get_rank(group) * part :][:part]
+    out = variant_sdpa(
+        q,
+        k,
+        v,
+        sinks=mine,
+        window=window,
+        keep=None,
+        dropout_p=0.0,
+        scale=scale,
+        attention_backend=attention_backend,
+    )
     out = out.permute(2, 0, 1, 3)  # [s, b, n/cp, d] in global order
     back = torch.argsort(perm)
     return HeadToSeq.apply(out.index_select(0, back).contiguous(), group)
