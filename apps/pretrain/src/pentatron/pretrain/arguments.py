@@ -22,6 +22,42 @@ from .tokenizer.arguments import add_tokenizer_file_args
 __all__ = ["ArgumentError", "build_parser", "parse_args", "validate_args"]
 
 
+def _gpt_oss(g: Any) -> None:
+    """gpt-oss's activation and attention variants (Megatron's TransformerConfig flags)."""
+    g.add_argument(
+        "--quick-geglu",
+        action="store_true",
+        help="gpt-oss's gated activation: quick_gelu(gate) * up, quick_gelu(x) = x sigmoid(1.702 x)",
+    )
+    g.add_argument(
+        "--glu-linear-offset", type=float, default=0.0, help="gated: act(gate) * (up + offset)"
+    )
+    g.add_argument(
+        "--activation-func-clamp-value",
+        type=float,
+        default=None,
+        help="gated: gate clamped to <= value, up to [-value, value] (gpt-oss: 7.0)",
+    )
+    g.add_argument(
+        "--softmax-type",
+        default="vanilla",
+        choices=["vanilla", "off-by-one", "learnable"],
+        help="attention sinks: a per-head logit added to the softmax denominator",
+    )
+    g.add_argument(
+        "--window-size",
+        type=parse_window_size,
+        default=None,
+        help="sliding-window attention LEFT,0: query i sees keys i-LEFT..i (gpt-oss: 127,0)",
+    )
+    g.add_argument(
+        "--window-attn-skip-freq",
+        type=parse_window_attn_skip_freq,
+        default=None,
+        help="N: every N-th layer full attention, the rest windowed; or a 0/1 list (1: window)",
+    )
+
+
 def _model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=None, help="required")
@@ -68,38 +104,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="SwiGLU through plain autograd, which also keeps silu(gate) for backward",
     )
-    g.add_argument(
-        "--quick-geglu",
-        action="store_true",
-        help="gpt-oss's gated activation: quick_gelu(gate) * up, quick_gelu(x) = x sigmoid(1.702 x)",
-    )
-    g.add_argument(
-        "--glu-linear-offset", type=float, default=0.0, help="gated: act(gate) * (up + offset)"
-    )
-    g.add_argument(
-        "--activation-func-clamp-value",
-        type=float,
-        default=None,
-        help="gated: gate clamped to <= value, up to [-value, value] (gpt-oss: 7.0)",
-    )
-    g.add_argument(
-        "--softmax-type",
-        default="vanilla",
-        choices=["vanilla", "off-by-one", "learnable"],
-        help="attention sinks: a per-head logit added to the softmax denominator",
-    )
-    g.add_argument(
-        "--window-size",
-        type=parse_window_size,
-        default=None,
-        help="sliding-window attention LEFT,0: query i sees keys i-LEFT..i (gpt-oss: 127,0)",
-    )
-    g.add_argument(
-        "--window-attn-skip-freq",
-        type=parse_window_attn_skip_freq,
-        default=None,
-        help="N: every N-th layer full attention, the rest windowed; or a 0/1 list (1: window)",
-    )
+    _gpt_oss(g)
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true", help="with MLA: its latent norms")

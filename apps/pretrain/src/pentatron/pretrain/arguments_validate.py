@@ -359,6 +359,8 @@ def _rope_type(args: argparse.Namespace) -> None:
 
 def _model_shape(args: argparse.Namespace) -> None:
     _rope_type(args)
+    if args.quick_geglu and args.swiglu:
+        _fail("quick-geglu", True, "--quick-geglu and --swiglu are exclusive", "pass one")
     if not args.multi_latent_attention:
         for dest, default in _MLA_SHAPE.items():
             if getattr(args, dest) != default:
@@ -542,8 +544,6 @@ def _training_length(args: argparse.Namespace) -> None:
 def _attention_variants_spec(args: argparse.Namespace) -> None:
     """gpt-oss's sinks and sliding windows run in the local attention (pentatron.models
     attention_variants); the transformer-engine layout's attention is plain causal."""
-    if args.quick_geglu and args.swiglu:
-        _fail("quick-geglu", True, "--quick-geglu and --swiglu are exclusive", "pass one")
     variants = [
         f"--{flag} {value}"
         for flag, value, default in (

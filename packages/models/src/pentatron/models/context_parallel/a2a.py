@@ -65,9 +65,9 @@ class HeadToSeq(torch.autograd.Function):
         return _seq_to_head(grad, ctx.group), None
 
 
-def _chunk_order(cp: int) -> torch.Tensor:
+def _chunk_order(cp: int, device: torch.device) -> torch.Tensor:
     """Chunk index (of 2cp) of each rank-major gathered chunk: [0, 2cp-1, 1, 2cp-2, ...]."""
-    return torch.tensor([c for r in range(cp) for c in (r, 2 * cp - 1 - r)])
+    return torch.tensor([c for r in range(cp) for c in (r, 2 * cp - 1 - r)], device=device)
 
 
 def a2a_attention(
@@ -94,10 +94,10 @@ def a2a_attention(
         )
     q, k, v = (SeqToHead.apply(x, group) for x in (q, k, v))  # [s, b, ·/cp, d]
     s = q.size(0)
-    order = _chunk_order(cp)  # gathered chunk i is global chunk order[i]
+    order = _chunk_order(cp, q.device)  # gathered chunk i is global chunk order[i]
     inverse = torch.argsort(order)
     chunk = s // (2 * cp)
-    perm = (inverse[:, None] * chunk + torch.arange(chunk)).reshape(-1).to(q.device)
+    perm = (inverse[:, None] * chunk + torch.arange(chunk, device=q.device)).reshape(-1)
     q, k, v = (x.index_select(0, perm).permute(1, 2, 0, 3) for x in (q, k, v))
     mine = None
     if sinks is not None:  # this cp rank's contiguous n/cp heads
