@@ -1,6 +1,7 @@
 """The harness itself: reuse, failure reporting, killing hung ranks, and the clean end its
 workers share with the app (`parallel_state.shutdown`)."""
 
+import multiprocessing
 import os
 
 import pytest
@@ -45,6 +46,31 @@ def test_results_in_rank_order_and_pool_reused(distributed):
 def test_world_size_one_and_eight(distributed):
     assert [r[:2] for r in distributed.run(1, _whoami, 0)] == [(0, 1)]
     assert [r[:2] for r in distributed.run(8, _whoami, 0)] == [(r, 8) for r in range(8)]
+
+
+def _start_up_facts():
+    import gc
+    import sys
+
+    from pentatron.parallel_state.testing import pool
+
+    return os.getppid(), gc.get_freeze_count(), [m in sys.modules for m in pool.PRELOAD]
+
+
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(),
+    reason="no forkserver on this platform: ranks are spawned",
+)
+def test_ranks_are_forked_from_a_server_that_imported_torch_once(distributed):
+    """Spawned ranks each imported torch (~2 s of CPU a rank, paid again at every
+    respawn); forked from the forkserver, they start with it imported, and with it frozen
+    out of gc's scans."""
+    facts = distributed.run(4, _start_up_facts)
+    parents = {ppid for ppid, _, _ in facts}
+    assert len(parents) == 1 and os.getpid() not in parents  # the server's children
+    # torch's module objects alone are far more than this; 0 if start-up froze nothing
+    assert all(frozen > 100_000 for _, frozen, _ in facts)
+    assert all(all(loaded) for _, _, loaded in facts)
 
 
 def test_failure_reports_rank_and_traceback(distributed):
