@@ -54,23 +54,28 @@ def _start_up_facts():
 
     from pentatron.parallel_state.testing import pool
 
-    return os.getppid(), gc.get_freeze_count(), [m in sys.modules for m in pool.PRELOAD]
+    server_threads = len(os.listdir(f"/proc/{os.getppid()}/task"))
+    preloaded = [m in sys.modules for m in pool.PRELOAD]
+    return os.getppid(), gc.get_freeze_count(), preloaded, server_threads
 
 
 @pytest.mark.skipif(
-    "forkserver" not in multiprocessing.get_all_start_methods(),
-    reason="no forkserver on this platform: ranks are spawned",
+    "forkserver" not in multiprocessing.get_all_start_methods() or not os.path.isdir("/proc"),
+    reason="no forkserver on this platform (ranks are spawned), or no /proc to count threads",
 )
 def test_ranks_are_forked_from_a_server_that_imported_torch_once(distributed):
     """Spawned ranks each imported torch (~2 s of CPU a rank, paid again at every
     respawn); forked from the forkserver, they start with it imported, and with it frozen
     out of gc's scans."""
     facts = distributed.run(4, _start_up_facts)
-    parents = {ppid for ppid, _, _ in facts}
+    parents = {f[0] for f in facts}
     assert len(parents) == 1 and os.getpid() not in parents  # the server's children
     # torch's module objects alone are far more than this; 0 if start-up froze nothing
-    assert all(frozen > 100_000 for _, frozen, _ in facts)
-    assert all(all(loaded) for _, _, loaded in facts)
+    assert all(f[1] > 100_000 for f in facts)
+    assert all(all(f[2]) for f in facts)
+    # a preloaded module that started a thread would leave the server (and so a fork's
+    # copied locks) with more than one
+    assert all(f[3] == 1 for f in facts)
 
 
 def test_failure_reports_rank_and_traceback(distributed):

@@ -36,9 +36,16 @@ from typing import Any
 
 _GRACE_S = 5.0  # how long healthy ranks may keep running after another rank failed
 # Imported once by the forkserver, inherited by every rank it forks. Only modules whose
-# import starts no thread (a fork keeps the calling thread alone): torch's intra-op pool
-# and gloo's threads start later, in the rank.
-PRELOAD = ("torch", "torch.distributed", __name__)
+# import starts no thread (checked: the server has one thread; a fork copies only the
+# calling one): torch's intra-op pool and gloo's threads start later, in the rank. DCP and
+# DTensor (~1.1 s of import a rank) serve every package that checkpoints or shards.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    __name__,
+)
 
 
 class RankError(AssertionError):
