@@ -4,10 +4,10 @@ Why: on gloo (the CPU backend: tests, laptops) torch's reduce-scatter is an all-
 the whole input followed by a copy of this rank's shard, its all-gather a ring of n-1
 sequential steps, and its all-reduce several rounds; each round costs every rank's
 transport thread several syscalls and thread wake-ups. Gloo's all-to-all is one round of
-direct pairwise sends. Measured on 2 cores (`benchmarks/gloo_collectives.py`), CPU time per
-call, 64 fp32 elements: world 2, reduce-scatter 0.76 -> 0.28 ms, all-gather 0.40 ->
-0.26 ms, all-reduce 0.75 -> 0.51 ms; world 8, 3.95 -> 0.93, 2.63 -> 0.93, 3.48 -> 1.67 ms.
-A training step issues hundreds of them, so the CPU path trains about a fifth faster.
+direct pairwise sends. Measured on 2 cores (`benchmarks/gloo_collectives.py`, table in
+docs/performance.md), CPU time per call, 64 fp32 elements at world 8: reduce-scatter 3.62
+-> 0.86 ms, all-gather 2.02 -> 0.80 ms, all-reduce 3.62 -> 1.49 ms. A training step issues
+hundreds of them: the test suite's tiny GPT at world 8 steps ~12% faster on CPU.
 
 The algorithms move the bytes of the ring ones (each rank sends (n-1)/n of a reduce-
 scatter's input, (n-1) shards of an all-gather) and reduce in rank order: rank 0's part,

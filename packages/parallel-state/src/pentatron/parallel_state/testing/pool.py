@@ -12,8 +12,8 @@ traceback. A rank that exceeds the call timeout or dies is killed with the whole
 `RankTimeoutError` names the ranks that did not answer. The next call spawns a fresh pool.
 
 Start-up: where the platform has it (Linux, macOS), ranks are forked by multiprocessing's
-forkserver, which imports torch once (`PRELOAD`) and freezes what it imported out of the
-garbage collector's scans; each rank is a fork of it. Spawning imported torch once per rank:
+forkserver, which imports torch once (`PRELOAD`); each rank, a fork of it, freezes what
+start-up imported out of the garbage collector's scans. Spawning imported torch once per rank:
 ~2 s of CPU each, ~6 s of wall time for a pool of 8 on 2 cores, paid again at every
 respawn. Where forkserver is missing (Windows) ranks are spawned.
 """
