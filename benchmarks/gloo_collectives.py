@@ -22,8 +22,8 @@ import torch.distributed as dist
 from pentatron.parallel_state import comm
 from pentatron.parallel_state.testing import PoolSet
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's tensor-form collectives under whichever name this torch has (comm's shims)
+_ALL_GATHER, _REDUCE_SCATTER = comm._ALL_GATHER_SINGLE, comm._REDUCE_SCATTER_SINGLE
 
 
 def _ops(numel: int) -> dict[str, tuple]:

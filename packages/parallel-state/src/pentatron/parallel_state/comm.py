@@ -185,15 +185,6 @@ def _call(name: str, group: Any, async_op: bool, fn: Any, *args: Any, **kw: Any)
     return _NamedWork(work, name, group) if async_op else None
 
 
-def _on_gloo(algorithm: Any) -> Any:
-    """`algorithm` (gloo_collectives) called as `_call` calls torch's collectives."""
-
-    def call(*args: Any, group: Any, async_op: bool) -> Any:
-        return algorithm(*args, group, async_op)
-
-    return call
-
-
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
@@ -202,7 +193,7 @@ def all_reduce(
         n = _size(group)
         _record("all_reduce", group, tensor, tensor.numel(), 2 * (n - 1) / n * tensor.numel())
     if not async_op and gloo_collectives.applies(tensor, group, op):
-        return _call("all_reduce", group, False, _on_gloo(gloo_collectives.all_reduce), tensor, op)
+        return _call("all_reduce", group, False, gloo_collectives.all_reduce, tensor, op=op)
     return _call("all_reduce", group, async_op, dist.all_reduce, tensor, op=op)
 
 
@@ -217,8 +208,7 @@ def all_gather_into_tensor(
         n = _size(group)
         _record("all_gather", group, input, input.numel(), (n - 1) * input.numel())
     if gloo_collectives.applies(input, group):
-        fn = _on_gloo(gloo_collectives.all_gather)
-        return _call("all_gather", group, async_op, fn, output, input)
+        return _call("all_gather", group, async_op, gloo_collectives.all_gather, output, input)
     return _call("all_gather", group, async_op, _ALL_GATHER_SINGLE, output, input)
 
 
@@ -243,8 +233,8 @@ def reduce_scatter_tensor(
         n = _size(group)
         _record("reduce_scatter", group, input, input.numel(), (n - 1) / n * input.numel())
     if gloo_collectives.applies(input, group, op):
-        fn = _on_gloo(gloo_collectives.reduce_scatter)
-        return _call("reduce_scatter", group, async_op, fn, output, input, op)
+        fn = gloo_collectives.reduce_scatter
+        return _call("reduce_scatter", group, async_op, fn, output, input, op=op)
     return _call("reduce_scatter", group, async_op, _REDUCE_SCATTER_SINGLE, output, input, op=op)
 
 

@@ -15,6 +15,8 @@ then rank 1's, ... (deterministic, and the same on every rank after an all-reduc
 
 Only called by `comm` for CPU tensors on a gloo group, outside torch.compile (which traces
 torch's own collectives), with an op in `LOCAL_OPS`; everything else takes torch's path.
+Each function takes torch's call form (`group=`, `async_op=` keywords) so `comm` issues it
+as it issues torch's.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class FinishingWork:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool
+    output: torch.Tensor, input: torch.Tensor, op: Any, *, group: Any, async_op: bool
 ) -> Any:
     """`input` `[n * d0, ...]` -> this rank's reduced shard `[d0, ...]` in `output`."""
     n = dist.get_world_size(group)
@@ -100,7 +102,7 @@ def reduce_scatter(
     return None
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Any, async_op: bool) -> Any:
     """`[n] x input` -> `output` `[n * d0, ...]`, rank-major."""
     n = dist.get_world_size(group)
     # every peer gets the same part: n copies of the input, one per destination
@@ -119,7 +121,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: 
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool = False) -> None:
+def all_reduce(tensor: torch.Tensor, op: Any, *, group: Any, async_op: bool = False) -> None:
     """In place, synchronous only: reduce-scatter then all-gather, both as above. (An async
     all-reduce keeps torch's path: its second half would be a collective issued inside
     `wait()`, whose order across groups the caller does not control.)"""
@@ -132,7 +134,7 @@ def all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool = False
     # a view of `tensor` when it can be: it is read by the first half, written by the second
     work = tensor.view(-1) if in_place else torch.cat([tensor.reshape(-1), tensor.new_zeros(pad)])
     shard = work.new_empty(work.numel() // n)
-    reduce_scatter(shard, work, op, group, async_op=False)
-    all_gather(work, shard, group, async_op=False)
+    reduce_scatter(shard, work, op, group=group, async_op=False)
+    all_gather(work, shard, group=group, async_op=False)
     if not in_place:
         tensor.copy_(work[:numel].view(tensor.shape))
