@@ -200,3 +200,25 @@ def test_the_ledger_records_the_collective_asked_for(distributed):
         ("reduce_scatter", 2 * n, (n - 1) * 2 * 4),
         ("all_reduce", 4, 2 * (n - 1) * 4),
     ]
+
+
+def _mis_sized():
+    n = dist.get_world_size()
+    errors = []
+    for call in (
+        lambda: comm.reduce_scatter_tensor(torch.empty(3), torch.ones(2 * n)),
+        lambda: comm.all_gather_into_tensor(torch.empty(2 * n + 1), torch.ones(2)),
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_mis_sized_buffers_fail_before_any_collective(distributed):
+    # every rank raises on its own (no rank waits in a collective), naming the argument
+    for errors in distributed.run(2, _mis_sized):
+        assert len(errors) == 2
+        assert errors[0].startswith("reduce_scatter_tensor: input (4 x torch.float32)")
+        assert errors[1].startswith("all_gather_into_tensor: output (5 x torch.float32)")

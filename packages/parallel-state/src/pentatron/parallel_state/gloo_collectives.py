@@ -47,6 +47,17 @@ def applies(tensor: torch.Tensor, group: Any, op: Any = ReduceOp.SUM) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
+def _check_sizes(
+    op: str, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor, n: int
+) -> None:
+    """Before any collective, as torch's own checks fail: `big` must hold n x `small`."""
+    if big.numel() != n * small.numel() or big.dtype != small.dtype:
+        raise ValueError(
+            f"{op}: {big_name} ({big.numel()} x {big.dtype}) must have {n} (the group's size) "
+            f"times the elements of {small_name} ({small.numel()} x {small.dtype}), same dtype"
+        )
+
+
 def _reduce_parts(output: torch.Tensor, received: torch.Tensor, n: int, op: Any) -> None:
     """`output` <- op over the n rank-major parts of `received`, in rank order."""
     parts = received.view(n, -1)
@@ -89,6 +100,7 @@ def reduce_scatter(
 ) -> Any:
     """`input` `[n * d0, ...]` -> this rank's reduced shard `[d0, ...]` in `output`."""
     n = dist.get_world_size(group)
+    _check_sizes("reduce_scatter_tensor", "input", input, "output", output, n)
     input = input.contiguous()
     received = torch.empty_like(input)
     work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
@@ -105,6 +117,7 @@ def reduce_scatter(
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Any, async_op: bool) -> Any:
     """`[n] x input` -> `output` `[n * d0, ...]`, rank-major."""
     n = dist.get_world_size(group)
+    _check_sizes("all_gather_into_tensor", "output", output, "input", input, n)
     # every peer gets the same part: n copies of the input, one per destination
     sent = input.reshape(1, -1).expand(n, -1).contiguous()
     received = output.view(n, -1) if output.is_contiguous() else torch.empty_like(sent)
