@@ -126,6 +126,40 @@ def _save_moe(path: str, arch: str) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def _save_gpt_oss(path: str) -> None:
+    """A 4-layer gpt-oss (4 experts top-2 with biases, learnable sinks, a 4-key window on
+    layers 1 and 3, YaRN, a clamp that acts), random weights, `save_pretrained`."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        swiglu_limit=0.5,
+        max_position_embeddings=64 * 32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    torch.manual_seed(15)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+
+
 def _save_deepseek(path: str, mtp: bool = False) -> None:
     """A 4-layer DeepSeek-V3 (MLA with q latent, a dense first layer, 4 experts top-2 in 2
     groups, sigmoid scores with a random correction bias, a shared expert), random weights,
@@ -276,11 +310,14 @@ def test_lr0_round_trip_is_bitwise_and_first_loss_is_transformers(
     assert again.config.tie_word_embeddings is tie and again.config.num_key_value_heads == 2
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
+SAVE = {"deepseek_v3": _save_deepseek, "gpt_oss": _save_gpt_oss}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_moe_lr0_round_trip_at_ep2(distributed, tmp_path, arch):
     """MoE at tp2-pp2-dp2 with ep2 (experts split over the dp ranks of a stage)."""
     hf, out = str(tmp_path / "hf"), str(tmp_path / "out")
-    _save_deepseek(hf) if arch == "deepseek_v3" else _save_moe(hf, arch)
+    SAVE[arch](hf) if arch in SAVE else _save_moe(hf, arch)
     argv = _argv(hf, *TP2_PP2, "--expert-model-parallel-size", "2", "--sequence-parallel")
     argv += ["--lr", "0"]
     argv += ["--train-iters", "1", "--use-distributed-optimizer"]
@@ -466,6 +503,8 @@ def test_use_checkpoint_args_fills_only_the_flags_not_given(tmp_path):
         (["--num-query-groups", "4"], "--num-query-groups"),
         (["--rotary-base", "500000"], "--rotary-base"),
         (["--ffn-hidden-size", "128"], "--ffn-hidden-size"),
+        (["--softmax-type", "learnable"], "--softmax-type"),
+        (["--window-size", "7,0"], "--window-size"),
     ],
 )
 def test_a_contradicting_model_flag_fails_in_validation(tmp_path, flags, named):
@@ -482,6 +521,33 @@ def test_a_contradicting_model_flag_fails_in_validation(tmp_path, flags, named):
     with pytest.raises(ValueError, match="^" + re.escape(named) + "[ :]") as error:
         _validate([*argv, *flags])
     assert "\n" not in str(error.value) and "--use-checkpoint-args" in str(error.value)
+
+
+def test_gpt_oss_flags_come_from_the_checkpoint_and_must_agree_with_it(tmp_path):
+    """--use-checkpoint-args takes gpt-oss's activation, attention variants and YaRN from
+    config.json; each of those flags given otherwise fails, named, before any collective."""
+    hf = str(tmp_path / "hf")
+    _save_gpt_oss(hf)
+    base = _argv(hf, "--lr", "1e-3", "--train-iters", "2")
+    args = _validate(base)
+    assert args.quick_geglu and not args.swiglu and args.glu_linear_offset == 1.0
+    assert args.activation_func_clamp_value == 0.5 and args.softmax_type == "learnable"
+    assert tuple(args.window_size) == (3, 0) and args.window_attn_skip_freq == 2
+    assert (args.position_embedding_type, args.rotary_scaling_factor) == ("yarn", 32.0)
+    assert args.yarn_original_max_position_embeddings == 64
+    assert args.yarn_correction_range_round_to_int is False
+    assert args.num_experts == 4 and args.add_bias_linear
+    for flags, named in (
+        (["--window-size", "7,0"], "--window-size"),
+        (["--window-attn-skip-freq", "3"], "--window-attn-skip-freq"),
+        (["--softmax-type", "off-by-one"], "--softmax-type"),
+        (["--activation-func-clamp-value", "7.0"], "--activation-func-clamp-value"),
+        (["--glu-linear-offset", "0"], "--glu-linear-offset"),
+        (["--yarn-beta-fast", "16"], "--yarn-beta-fast"),
+        (["--yarn-correction-range-round-to-int"], "--yarn-correction-range-round-to-int"),
+    ):
+        with pytest.raises(ValueError, match="^" + re.escape(named) + "[ :]"):
+            _validate([*base, *flags])
 
 
 def test_a_partial_checkpoint_fails_in_validation_naming_the_tensors(tmp_path):

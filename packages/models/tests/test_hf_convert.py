@@ -178,7 +178,7 @@ def test_unsupported_hf_config_names_the_field(change, field):
         ("normalization", "LayerNorm"),
         ("activation", "gelu"),
         ("qk_layernorm", True),
-        ("softmax_type", "learnable"),  # gpt-oss's variants: no mapped form yet
+        ("softmax_type", "learnable"),  # gpt-oss's variants: GptOss form only (quick-GeGLU)
         ("window_size", (7, 0)),
         ("glu_linear_offset", 1.0),
         ("activation_func_clamp_value", 7.0),

@@ -8,8 +8,9 @@ of this app) says the model is, checked against the flags before any collective.
                               flag, both values and the fix
 
 A Hugging Face config maps through `pentatron.models.hf.config_from_hf` (Llama, Mistral as
-Llama, Qwen2 as Llama with q/k/v biases, Mixtral, Qwen2-MoE); a field it cannot represent
-fails there, named. Only the architecture is compared: dropout, precision, the layout and
+Llama, Qwen2 as Llama with q/k/v biases, Mixtral, Qwen2-MoE, DeepSeek-V3, gpt-oss, whose
+MXFP4 experts are dequantised as they are read); a field it cannot represent fails there,
+named. Only the architecture is compared: dropout, precision, the layout and
 the sequence length are this run's choice.
 """
 
@@ -35,7 +36,12 @@ FIELD_FLAGS = {
     "ffn_hidden_size": "--ffn-hidden-size",
     "normalization": "--normalization",
     "layernorm_epsilon": "--norm-epsilon",
-    "activation": "--swiglu",
+    "activation": "--swiglu / --quick-geglu",
+    "glu_linear_offset": "--glu-linear-offset",
+    "activation_func_clamp_value": "--activation-func-clamp-value",
+    "softmax_type": "--softmax-type",
+    "window_size": "--window-size",
+    "window_attn_skip_freq": "--window-attn-skip-freq",
     "add_bias_linear": "--disable-bias-linear",
     "add_qkv_bias": "--add-qkv-bias",
     "qk_layernorm": "--qk-layernorm",
@@ -58,7 +64,8 @@ FIELD_FLAGS = {
     "moe_router_group_topk": "--moe-router-group-topk",
 }
 # DeepSeek-V3's multi-latent attention and its YaRN: field -> flag dest (the flag is its
-# dashed form); compared and implied only where either side has MLA.
+# dashed form); compared and implied only where either side has MLA (the YaRN fields also
+# where either side has --position-embedding-type yarn).
 MLA_DESTS = {
     "multi_latent_attention": "multi_latent_attention",
     "q_lora_rank": "q_lora_rank",
@@ -72,8 +79,27 @@ MLA_DESTS = {
     "yarn_original_max_position_embeddings": "yarn_original_max_position_embeddings",
     "yarn_beta_fast": "yarn_beta_fast",
     "yarn_beta_slow": "yarn_beta_slow",
+    "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
 }
 FIELD_FLAGS.update({f: "--" + d.replace("_", "-") for f, d in MLA_DESTS.items()})
+# YaRN's fields, also read by standard attention with --position-embedding-type yarn (gpt-oss)
+YARN_FIELDS = (
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+)
+# gpt-oss's activation and attention variants: field -> flag dest (compared for every model)
+GPT_OSS_DESTS = {
+    "glu_linear_offset": "glu_linear_offset",
+    "activation_func_clamp_value": "activation_func_clamp_value",
+    "softmax_type": "softmax_type",
+    "window_size": "window_size",
+    "window_attn_skip_freq": "window_attn_skip_freq",
+}
 _MOE_FIELDS = {k for k in FIELD_FLAGS if k.startswith("moe_")}
 
 # The model flags a checkpoint of this app carries in its saved args (--use-checkpoint-args).
@@ -89,6 +115,8 @@ ARCH_DESTS = (
     "normalization",
     "norm_epsilon",
     "swiglu",
+    "quick_geglu",
+    *GPT_OSS_DESTS.values(),
     "add_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",
@@ -174,6 +202,7 @@ def implied_flags(path: str) -> dict[str, Any]:
         "normalization": config.normalization,
         "norm_epsilon": config.layernorm_epsilon,
         "swiglu": config.activation == "swiglu",
+        "quick_geglu": config.activation == "quick_geglu",
         "add_bias_linear": config.add_bias_linear,
         "add_qkv_bias": config.add_qkv_bias,
         "qk_layernorm": config.qk_layernorm,
@@ -185,6 +214,9 @@ def implied_flags(path: str) -> dict[str, Any]:
     }
     if scaling is not None:
         out["rope_scaling_factor"] = scaling.factor
+    out.update({dest: getattr(config, f) for f, dest in GPT_OSS_DESTS.items()})
+    if config.position_embedding_type == "yarn":
+        out.update({MLA_DESTS[f]: getattr(config, f) for f in YARN_FIELDS})
     if config.is_moe:
         out.update(
             num_experts=config.num_moe_experts,
@@ -265,7 +297,15 @@ def resolve_pretrained(args: argparse.Namespace) -> None:
 
 def _value(config: Any, field: str) -> Any:
     # an int frequency and its 0/1 list describe the same layers
-    return config.moe_layer_pattern() if field == "moe_layer_freq" else getattr(config, field)
+    if field == "moe_layer_freq":
+        return config.moe_layer_pattern()
+    if field == "window_attn_skip_freq":
+        layers = range(1, config.num_layers + 1)
+        return [int(config.is_window_attention_layer(n)) for n in layers]
+    if field == "window_size":  # (-1, 0) is no window; a list from JSON is the tuple
+        w = config.window_size
+        return None if w is None or w[0] < 0 else tuple(w)
+    return getattr(config, field)
 
 
 def check_against_hf(args: argparse.Namespace) -> None:
@@ -281,7 +321,11 @@ def check_against_hf(args: argparse.Namespace) -> None:
         if field in _MOE_FIELDS and not (mine.is_moe or theirs.is_moe):
             continue
         mla = mine.multi_latent_attention or theirs.multi_latent_attention
-        if field in MLA_DESTS and field != "multi_latent_attention" and not mla:
+        yarn = "yarn" in (mine.position_embedding_type, theirs.position_embedding_type)
+        if field in YARN_FIELDS and not (mla or yarn):
+            continue
+        mla_shape = field in MLA_DESTS and field not in YARN_FIELDS
+        if mla_shape and field != "multi_latent_attention" and not mla:
             continue
         a, b = _value(mine, field), _value(theirs, field)
         if a != b:

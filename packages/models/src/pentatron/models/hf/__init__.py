@@ -1,5 +1,5 @@
-"""pentatron.models.hf: Hugging Face Llama / Mixtral / Qwen2-MoE <-> GPTModel (config,
-weights, sharded load at any tp / pp / ep / etp, CLI).
+"""pentatron.models.hf: Hugging Face Llama / Mixtral / Qwen2-MoE / DeepSeek-V3 / gpt-oss
+<-> GPTModel (config, weights, sharded load at any tp / pp / ep / etp, CLI).
 
     model = from_hf(MixtralForCausalLM.from_pretrained(path))      # one process
     model = load_hf_checkpoint_shard(path, grid)                    # this rank's shard only
@@ -9,7 +9,9 @@ weights, sharded load at any tp / pp / ep / etp, CLI).
 
 MoE experts: transformers >= 5 holds them fused (`experts.gate_up_proj`), its checkpoint
 files and transformers 4 per expert; reading takes either, writing the one asked for
-(`expert_layout`, default: the installed transformers'; see moe_map.py).
+(`expert_layout`, default: the installed transformers'; see moe_map.py). gpt-oss's experts
+are read unquantised or in MXFP4 (dequantised as read) and written unquantised
+(gpt_oss_map.py).
 transformers is imported only by `config_to_hf` (and by nothing else here): converting a
 safetensors checkpoint directory works without it. CLI: `pentatron-convert` (see cli.py).
 """
@@ -24,6 +26,7 @@ from .convert import (
     to_hf,
 )
 from .moe_map import FUSED, PER_EXPERT, default_expert_layout, hf_arch
+from .mxfp4 import dequantize_mxfp4
 from .safetensors_io import SafetensorsDirSource
 from .state_map import DictSource, TensorSource, chunk_param_names, full_to_hf, read_shard
 
@@ -39,6 +42,7 @@ __all__ = [
     "config_to_hf",
     "config_to_hf_dict",
     "default_expert_layout",
+    "dequantize_mxfp4",
     "from_hf",
     "full_to_hf",
     "hf_arch",

@@ -32,7 +32,6 @@ from ..sharding import global_param_name, merge_shards, param_sharding
 from ..transformer_block import get_layer_offset
 from .config_map import config_from_hf, config_to_hf_dict
 from .convert import hf_shard_state_dict
-from .moe_config_map import MOE_MODEL_TYPES
 from .moe_map import PER_EXPERT
 from .safetensors_io import (
     INDEX,
@@ -75,10 +74,7 @@ def hf_to_pentatron(
     hf_dir: str, out: str, tp: int = 1, pp: int = 1, divisible_by: int = 128, ep: int = 1
 ) -> None:
     hf_config = read_json(Path(hf_dir) / "config.json")
-    moe = hf_config.get("model_type") in MOE_MODEL_TYPES or (
-        hf_config.get("model_type") == "deepseek_v3"
-        and hf_config.get("first_k_dense_replace", 0) < hf_config["num_hidden_layers"]
-    )
+    moe = config_from_hf(hf_config)[0].is_moe  # at one rank: no layout rule applies yet
     overrides: dict[str, Any] = {"sequence_parallel": True} if moe and tp > 1 else {}
     config, vocab, max_seq, extras = config_from_hf(
         hf_config,

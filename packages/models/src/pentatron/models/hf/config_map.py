@@ -1,5 +1,6 @@
-"""Hugging Face Llama / Mixtral / Qwen2-MoE config <-> `TransformerConfig`, both ways,
-with clear refusals (the MoE fields: `moe_config_map`; the table below is shared).
+"""Hugging Face Llama / Mixtral / Qwen2-MoE / DeepSeek-V3 / gpt-oss config <->
+`TransformerConfig`, both ways, with clear refusals (the MoE fields: `moe_config_map`,
+DeepSeek's: `deepseek_config_map`, gpt-oss's: `gpt_oss_map`; the table below is shared).
 
     LlamaConfig field                         TransformerConfig field
     num_hidden_layers                         num_layers
@@ -38,10 +39,13 @@ from .deepseek_config_map import (
     deepseek_to_hf_fields,
 )
 from .errors import HFConfigError, fail
+from .gpt_oss_map import check_gpt_oss_representable, gpt_oss_fields_from_hf, gpt_oss_to_hf_fields
 from .moe_config_map import MOE_MODEL_TYPES, moe_fields_from_hf, moe_to_hf_fields
 from .moe_map import hf_arch
 
-SUPPORTED_MODEL_TYPES = ("llama", *MOE_MODEL_TYPES, "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", *MOE_MODEL_TYPES, "deepseek_v3", "gpt_oss")
+# their RoPE fields are read by their own maps (DeepSeek's YaRN is MLA's; gpt-oss's YaRN)
+_OWN_ROPE = ("deepseek_v3", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 # Fields copied verbatim into `extras`, so config_to_hf can give them back.
@@ -142,7 +146,8 @@ def config_from_hf(
     params_dtype: torch.dtype | None = None,
     **overrides: Any,
 ) -> tuple[TransformerConfig, int, int, dict[str, Any]]:
-    """`LlamaConfig` / `MixtralConfig` / `Qwen2MoeConfig` (or its config.json dict) ->
+    """`LlamaConfig` / `MixtralConfig` / `Qwen2MoeConfig` / `DeepseekV3Config` /
+    `GptOssConfig` (or its config.json dict) ->
     `(config, vocab_size, max_seq_len, extras)`.
 
     The expert sizes apply to MoE configs only (a dense model with ep > 1 is refused).
@@ -160,10 +165,10 @@ def config_from_hf(
             "model_type",
             model_type,
             f"only {SUPPORTED_MODEL_TYPES} are supported",
-            "convert a Llama, Mixtral, Qwen2-MoE or DeepSeek-V3 model",
+            "convert a Llama, Mixtral, Qwen2-MoE, DeepSeek-V3 or gpt-oss model",
         )
     act = d.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and model_type != "gpt_oss":  # gpt-oss's experts ignore hidden_act
         _fail(
             "hidden_act",
             act,
@@ -174,6 +179,8 @@ def config_from_hf(
         arch_kw = _llama_fields(d)
     elif model_type == "deepseek_v3":
         arch_kw = deepseek_fields_from_hf(d)
+    elif model_type == "gpt_oss":
+        arch_kw = gpt_oss_fields_from_hf(d)
     else:
         arch_kw = moe_fields_from_hf(d, model_type)
     if "num_moe_experts" in arch_kw:
@@ -186,7 +193,7 @@ def config_from_hf(
             f"expert_model_parallel_size={expert_model_parallel_size} needs a MoE model",
             "use ep=1 for a dense model",
         )
-    if model_type != "qwen2_moe" and d.get("sliding_window") is not None:
+    if model_type not in ("qwen2_moe", "gpt_oss") and d.get("sliding_window") is not None:
         _fail(
             "sliding_window",
             d["sliding_window"],
@@ -194,8 +201,8 @@ def config_from_hf(
             "use None",
         )
     heads = d["num_attention_heads"]
-    # DeepSeek's YaRN is MLA's (its fields in arch_kw); the others take Llama's RoPE
-    theta, scaling, partial = (10000.0, None, 1.0) if model_type == "deepseek_v3" else _rope(d)
+    # DeepSeek's and gpt-oss's RoPE fields are in arch_kw; the others take Llama's RoPE
+    theta, scaling, partial = (10000.0, None, 1.0) if model_type in _OWN_ROPE else _rope(d)
     fields: dict[str, Any] = dict(
         num_layers=d["num_hidden_layers"],
         hidden_size=d["hidden_size"],
@@ -243,7 +250,7 @@ def _llama_fields(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# gpt-oss's variants: no Hugging Face form is mapped yet (GptOssForCausalLM)
+# gpt-oss's variants: GptOssForCausalLM's form only (hf_arch "gpt_oss": quick-GeGLU)
 _GPT_OSS_FIELDS = (
     ("glu_linear_offset", 0.0),
     ("activation_func_clamp_value", None),
@@ -253,13 +260,16 @@ _GPT_OSS_FIELDS = (
 
 
 def _check_representable(config: TransformerConfig) -> None:
+    if hf_arch(config) == "gpt_oss":
+        check_gpt_oss_representable(config)
+        return
     for name, want in _GPT_OSS_FIELDS:
         value = getattr(config, name)
         if value != want:
             raise HFConfigError(
-                f"TransformerConfig {name}={value!r}: the Hugging Face conversion maps Llama, "
-                "Qwen2, Mixtral, Qwen2-MoE and DeepSeek-V3 forms, not gpt-oss's; fix: keep "
-                "the run's torch_dist checkpoint (gpt-oss export is not built)"
+                f"TransformerConfig {name}={value!r}: of the Hugging Face forms only gpt-oss's "
+                "has it, and gpt-oss's MLP is quick-GeGLU; fix: activation='quick_geglu' "
+                "(app: --quick-geglu) with gpt-oss's other settings, or drop it"
             )
     if config.multi_latent_attention:  # DeepSeek-V3's form
         check_deepseek_representable(config)
@@ -304,7 +314,8 @@ def config_to_hf_dict(
     rope_parameters: bool = True,
 ) -> dict[str, Any]:
     """The config.json dict of the matching `LlamaConfig` / `MixtralConfig` /
-    `Qwen2MoeConfig` (by `moe_map.hf_arch(config)`; no transformers needed).
+    `Qwen2MoeConfig` / `DeepseekV3Config` / `GptOssConfig` (by `moe_map.hf_arch(config)`;
+    no transformers needed).
 
     `rope_parameters=True` writes transformers 5's `rope_parameters`; False the older
     `rope_theta` + `rope_scaling` (which transformers 5 still reads).
@@ -344,6 +355,10 @@ def config_to_hf_dict(
     arch = hf_arch(config)
     if arch == "llama":
         d["attention_bias"] = d["mlp_bias"] = bool(config.add_bias_linear)
+    elif arch == "gpt_oss":
+        d.update(gpt_oss_to_hf_fields(config, rope_parameters))
+        d.update(extras or {})
+        return d
     elif arch == "deepseek_v3":
         d.update(deepseek_to_hf_fields(config))
         if not rope_parameters:  # transformers 4's form of the same RoPE
@@ -369,7 +384,7 @@ def config_to_hf(
     max_seq_len: int,
     extras: dict[str, Any] | None = None,
 ) -> Any:
-    """A transformers `LlamaConfig` / `MixtralConfig` / `Qwen2MoeConfig` equal to `config`
+    """A transformers config (Llama, Mixtral, Qwen2-MoE, DeepSeek-V3, gpt-oss) equal to `config`
     (imports transformers)."""
     import transformers
 
@@ -379,6 +394,7 @@ def config_to_hf(
         "mixtral": "MixtralConfig",
         "qwen2_moe": "Qwen2MoeConfig",
         "deepseek_v3": "DeepseekV3Config",
+        "gpt_oss": "GptOssConfig",
     }
     cls = getattr(transformers, name[arch])
     v5 = "rope_parameters" in inspect.signature(cls.__init__).parameters

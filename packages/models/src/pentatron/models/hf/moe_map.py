@@ -45,10 +45,13 @@ _SHARED = "mlp.shared_expert."
 
 
 def hf_arch(config: TransformerConfig) -> str:
-    """ "deepseek_v3" (multi-latent attention), "llama" (dense), "mixtral" (MoE, no shared
-    expert) or "qwen2_moe" (shared expert)."""
+    """ "deepseek_v3" (multi-latent attention), "gpt_oss" (quick-GeGLU; its tensors:
+    gpt_oss_map), "llama" (dense), "mixtral" (MoE, no shared expert) or "qwen2_moe" (shared
+    expert)."""
     if config.multi_latent_attention:
         return "deepseek_v3"
+    if config.activation == "quick_geglu":
+        return "gpt_oss"
     if not config.is_moe:
         return "llama"
     return "mixtral" if config.moe_shared_expert_intermediate_size is None else "qwen2_moe"
@@ -204,10 +207,14 @@ def moe_full_to_hf(
 
 
 def moe_param_suffixes(config: TransformerConfig) -> list[str]:
-    """The `mlp.<suffix>` state-dict entries of one MoE layer of a Mixtral / Qwen2-MoE GPT."""
-    names = ["router.weight", "experts.linear_fc1.weight", "experts.linear_fc2.weight"]
+    """The `mlp.<suffix>` state-dict entries of one MoE layer, in GPTModel's order (biases:
+    gpt-oss's; the other forms refuse `add_bias_linear`)."""
+    bias = config.add_bias_linear
+    names = ["router.weight"] + (["router.bias"] if bias else [])
     if config.moe_router_enable_expert_bias:
-        names.insert(1, "router.expert_bias")
+        names.append("router.expert_bias")
+    for fc in ("experts.linear_fc1", "experts.linear_fc2"):
+        names += [fc + ".weight"] + ([fc + ".bias"] if bias else [])
     if config.moe_shared_expert_intermediate_size is not None:
         names += ["shared_experts.linear_fc1.weight", "shared_experts.linear_fc2.weight"]
         if config.moe_shared_expert_gate:

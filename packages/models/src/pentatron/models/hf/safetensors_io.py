@@ -73,7 +73,7 @@ class SafetensorsDirSource:
         if name not in self.weight_map:
             raise KeyError(
                 f"{self.path}: checkpoint has no tensor {name!r}; the rule: a "
-                "Llama / Mixtral / Qwen2-MoE checkpoint matching its config.json; fix: check the files"
+                "checkpoint matching its config.json; fix: check the files"
             )
         return self._open(self.weight_map[name]).get_slice(name)
 

@@ -1,6 +1,6 @@
-"""Hugging Face Llama / Mixtral / Qwen2-MoE tensors <-> GPTModel parameters, as pure
-functions of the config (the MoE layer's tensors: `moe_map`; attention, norms, embeddings
-and dense MLPs are the same in the three architectures).
+"""Hugging Face Llama / Mixtral / Qwen2-MoE / DeepSeek-V3 / gpt-oss tensors <-> GPTModel
+parameters, as pure functions of the config (the MoE layer's tensors: `moe_map`, gpt-oss's
+`gpt_oss_map`; attention, norms, embeddings and dense MLPs are the same in all of them).
 
 Global layer i (HF `model.layers.{i}`, ours `decoder.layers.{i}` of the full model):
 
@@ -8,6 +8,7 @@ Global layer i (HF `model.layers.{i}`, ours `decoder.layers.{i}` of the full mod
     embedding.word_embeddings.weight  [Vp, h]     model.embed_tokens.weight [V, h] (+ zero rows)
     ...input_layernorm.weight                     ...input_layernorm.weight
     ...self_attention.linear_qkv.{weight,bias}    ...self_attn.{q,k,v}_proj (per query group)
+    ...self_attention.core_attention.softmax_offset  ...self_attn.sinks (gpt-oss; by heads)
     ...self_attention.linear_proj.{weight,bias}   ...self_attn.o_proj
     ...pre_mlp_layernorm.weight                   ...post_attention_layernorm.weight
     ...mlp.linear_fc1.{weight,bias}               cat([...mlp.gate_proj, ...mlp.up_proj])
@@ -55,6 +56,13 @@ from typing import Protocol
 import torch
 
 from ..config import TransformerConfig
+from .gpt_oss_map import (
+    SINKS_HF,
+    SINKS_SUFFIX,
+    gpt_oss_hf_names,
+    gpt_oss_moe_full_to_hf,
+    read_gpt_oss_moe_shard,
+)
 from .moe_map import (
     default_expert_layout,
     hf_arch,
@@ -163,8 +171,8 @@ class DictSource:
 def _get(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in state_dict:
         raise KeyError(
-            f"Hugging Face state dict has no {name!r}; the rule: a Llama / Mixtral / "
-            "Qwen2-MoE state dict matching the config; fix: check the checkpoint and its config.json"
+            f"Hugging Face state dict has no {name!r}; the rule: a state dict of the "
+            "config's architecture; fix: check the checkpoint and its config.json"
         )
     return state_dict[name]
 
@@ -227,12 +235,16 @@ def hf_names_for(
         raise KeyError(f"{name!r}: no Hugging Face Llama counterpart")
     layer, suffix = m.group(1), m.group(2)
     moe = _moe_suffix(suffix)
+    if moe is not None and hf_arch(config) == "gpt_oss":
+        return gpt_oss_hf_names(moe, int(layer))
     if moe is not None:
         layout = expert_layout or default_expert_layout()
         return moe_hf_names(moe, hf_arch(config), int(layer), config, layout)
     pre = f"model.layers.{layer}."
     if suffix in _LAYER_DIRECT:
         return [pre + _LAYER_DIRECT[suffix]]
+    if suffix == SINKS_SUFFIX:
+        return [pre + SINKS_HF]
     if config.multi_latent_attention and suffix in _MLA:
         return [pre + _MLA[suffix]]
     kind = suffix.rsplit(".", 1)[-1]
@@ -270,6 +282,17 @@ def read_shard(
     m, mtp = _LAYER.match(name), _MTP.match(name)
     suffix = m.group(2) if m else (mtp.group(2) if mtp else name)
     moe = _moe_suffix(suffix) if m else None
+    if m is not None and moe is not None and hf_arch(config) == "gpt_oss":
+        return read_gpt_oss_moe_shard(
+            moe,
+            int(m.group(1)),
+            src,
+            config,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            etp_rank=tp_rank if etp_rank is None else etp_rank,
+            etp_size=tp_size if etp_size is None else etp_size,
+        )
     if m is not None and moe is not None:
         return read_moe_shard(
             moe,
@@ -305,6 +328,9 @@ def read_shard(
             [q.reshape(n, qpg * d, *rest), k.reshape(n, d, *rest), v.reshape(n, d, *rest)], 1
         )
         return fused.reshape(n * (qpg + 2) * d, *rest)
+    if suffix == SINKS_SUFFIX:  # one per query head: this rank's heads
+        start, stop = _part(config.num_attention_heads, tp_rank, tp_size, "num_attention_heads")
+        return src.read(hf[0], 0, start, stop)
     if suffix.startswith("mlp.linear_fc1."):
         ffn = config.ffn_hidden_size
         assert ffn is not None, "TransformerConfig.__post_init__ fills it in"
@@ -363,6 +389,9 @@ def full_to_hf(
         m = _LAYER.match(name)
         suffix = m.group(2) if m else name
         moe = _moe_suffix(suffix) if m else None
+        if m is not None and moe is not None and hf_arch(config) == "gpt_oss":
+            out.update(gpt_oss_moe_full_to_hf(moe, int(m.group(1)), t))
+            continue
         if m is not None and moe is not None:
             out.update(moe_full_to_hf(moe, int(m.group(1)), t, config, layout))
             continue
@@ -440,6 +469,8 @@ def _layer_suffixes(config: TransformerConfig) -> tuple[list[str], list[str], li
         per_layer.append("self_attention.linear_qkv.weight")
         if bias or config.add_qkv_bias:
             per_layer.append("self_attention.linear_qkv.bias")
+        if config.softmax_type == "learnable":
+            per_layer.append(SINKS_SUFFIX)
     per_layer.append("self_attention.linear_proj.weight")
     if bias:
         per_layer.append("self_attention.linear_proj.bias")
