@@ -4,7 +4,8 @@ layer full), quick-GeGLU with the linear offset 1 and a clamp, YaRN RoPE, MoE (w
 router's logit bias) and the alltoall dispatcher. 6 steps at tp2-pp2-dp2 with SP and the distributed optimizer give one process's
 losses and grad norms (before clipping, every rank; fp32, rtol 1e-6: the order of sums
 only); a checkpoint saved there resumes at tp1-pp1-dp4 with the next losses (the sinks
-reshard by heads). The memory calculator refuses the variants by flag."""
+reshard by heads). The memory calculator sizes the run (its bytes are measured exact in
+test_memory_measure) and refuses the variants only under context parallelism."""
 
 from __future__ import annotations
 
@@ -52,10 +53,14 @@ def test_gpt_oss_checkpoint_resumes_at_another_layout(distributed, reference, tm
         )
 
 
-def test_memory_calculator_refuses_the_variants_by_flag():
+def test_memory_calculator_sizes_it_but_not_under_context_parallelism():
     from pentatron.pretrain.arguments import parse_args, validate_args
     from pentatron.pretrain.memory import MemoryPlanError, plan_from_args
+    from pentatron.pretrain.memory.activations import stage_activations
 
-    args = validate_args(parse_args(COMMON), 1)
-    with pytest.raises(MemoryPlanError, match=r"^--quick-geglu: .*not sized yet; fix: "):
+    plan = plan_from_args(validate_args(parse_args(COMMON), 1))
+    assert stage_activations(plan, 0).per_microbatch.core_attention > 0
+    cp = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    args = validate_args(parse_args(COMMON + cp), 2)
+    with pytest.raises(MemoryPlanError, match=r"^--softmax-type with --context-parallel-size"):
         plan_from_args(args)

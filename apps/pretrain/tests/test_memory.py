@@ -103,11 +103,21 @@ def test_interleaving_holds_more_microbatches():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3"]
+    "name",
+    [
+        "gpt3-175b",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-405b",
+        "mixtral-8x7b",
+        "deepseek-v3",
+        "gpt-oss-20b",
+        "gpt-oss-120b",
+    ],
 )
 def test_presets_run_as_json(name, capsys):
     moe = ["--expert-model-parallel-size", "8", "--sequence-parallel"]
-    extra = {"mixtral-8x7b": moe, "deepseek-v3": moe}.get(name, [])
+    extra = moe if name.startswith(("mixtral", "deepseek", "gpt-oss")) else []
     argv = [
         "--preset",
         name,
@@ -433,6 +443,31 @@ def test_hf_mixtral_is_moe(tmp_path, capsys):
     assert _hf(tmp_path, capsys, cfg) == want == _hf_model_params(cfg)
 
 
+def test_hf_gpt_oss_sizes_its_variants(tmp_path, capsys):
+    """gpt-oss: biases everywhere, a sink per head, 4 experts with biases and the router's
+    bias; its windows, sinks, clamp and YaRN reach the plan (the activation bytes of those
+    are measured exact in test_memory_measure)."""
+    cfg = {**TINY_HF, "model_type": "gpt_oss", "num_local_experts": 4, "head_dim": 16}
+    cfg.update(num_experts_per_tok=2, sliding_window=128, swiglu_limit=7.0)
+    attn = ATTN + (H + 2 * KV) + H + 4  # + q/k/v and o biases, 4 sinks
+    moe = 4 * H + 4 + 4 * (3 * F * H + 2 * F + H)  # router + bias, experts + biases
+    want = EMBED + L * (attn + moe + 2 * H)
+    assert _hf(tmp_path, capsys, cfg) == want == _hf_model_params(cfg)
+    path = tmp_path / "config.json"
+    c = build_plan(["--hf-config", str(path), "--seq-length", "4096"])[0].config
+    assert (c.activation, c.glu_linear_offset, c.activation_func_clamp_value) == (
+        "quick_geglu",
+        1.0,
+        7.0,
+    )
+    assert (c.softmax_type, tuple(c.window_size), c.window_attn_skip_freq) == (
+        "learnable",
+        (127, 0),
+        2,
+    )
+    assert (c.position_embedding_type, c.rotary_scaling_factor) == ("yarn", 32.0)
+
+
 def test_hf_qwen2_moe_layers_and_gated_shared_expert(tmp_path, capsys):
     cfg = {
         **TINY_HF,
@@ -508,6 +543,30 @@ def test_deepseek_v3_preset_totals_are_the_published_ones():
     assert 37e9 <= active < 38e9
     copy = plan.padded_vocab_size * c.hidden_size  # the MTP stage's embedding copy
     assert sum(s.num_parameters for s in memory_report(plan)) == total + copy
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active"),
+    [("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)],
+)
+def test_gpt_oss_preset_totals_are_the_published_ones(name, total, active):
+    """OpenAI's model card: 20.91B / 116.83B parameters, 3.61B / 5.13B active per token
+    (without the input embedding: a lookup, not a matmul); sinks, biases and the untied
+    head included. The report's per-rank sum at ep8 equals the closed form."""
+    from pentatron.models import num_parameters
+
+    plan, _ = build_plan(
+        ["--preset", name, "--world-size", "8", "--expert-model-parallel-size", "8"]
+    )
+    c, vocab = plan.config, plan.padded_vocab_size
+    assert vocab == 201088  # divisible by 128 already
+    assert num_parameters(c, vocab) == pytest.approx(total, abs=0.005e9)
+    embedding = vocab * c.hidden_size
+    assert num_parameters(c, vocab, active=True) - embedding == pytest.approx(active, abs=0.005e9)
+    (stage,) = memory_report(plan)
+    h = f = 2880  # per expert: fc1 [2F, h] + bias [2F], fc2 [h, F] + bias [h]
+    experts = c.num_layers * c.num_moe_experts * (2 * f * h + 2 * f + h * f + h)
+    assert stage.num_parameters == num_parameters(c, vocab) - experts + experts // 8
 
 
 def test_hf_sequence_length_is_max_positions_unless_given(tmp_path, capsys):

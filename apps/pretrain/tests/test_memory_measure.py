@@ -64,6 +64,12 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"
 MLA += ["--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
 MLA += ["--qk-layernorm", "--transformer-impl", "local"]
 MTP = ["--mtp-num-layers", "2"]
+# gpt-oss's kind of layer (TINY with biases and quick-GeGLU for SwiGLU, "oss" in the name):
+# learnable sinks, a window of 7 keys back on layers 1 and 3 (blockwise: 4 blocks of 8 at
+# s = 32; layers 2 and 4 take the whole masked call), the clamp and the offset
+OSS = ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0"]
+OSS += ["--softmax-type", "learnable", "--window-size", "7,0", "--window-attn-skip-freq", "2"]
+OSS += ["--transformer-impl", "local"]
 
 LAYOUTS = {
     1: {
@@ -89,6 +95,17 @@ LAYOUTS = {
         "mla-bf16-mtp": BF16 + MLA + MTP,
         "mla-qdirect-selective": [f for f in MLA if f not in ("--q-lora-rank", "32")]
         + ["--recompute-granularity", "selective"],
+        "oss-fp32": OSS,
+        # a window over 2 blocks (the whole masked call), no sinks, GQA's k/v repeated
+        "oss-bf16-gqa-window15": [
+            *BF16,
+            *GQA,
+            *("--quick-geglu", "--window-size", "15,0", "--transformer-impl", "local"),
+        ],
+        "oss-bf16-gqa-selective": BF16 + GQA + OSS + ["--recompute-granularity", "selective"],
+        # gpt-oss's experts (biases, the clamped quick-GeGLU) and router bias; at ep 1 every
+        # routed row stays local, so the rows are T k exactly and the bytes are too
+        "oss-moe-a2a": MOE + A2A + OSS,
         "mtp-full-uniform-learned": [
             *MTP,
             *("--position-embedding-type", "learned_absolute", "--recompute-granularity"),
@@ -140,6 +157,10 @@ LAYOUTS = {
             "all_gather",
         ],
         "cp2-a2a-bf16-gqa": BF16 + GQA + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+        "oss-tp2-sp-bf16-gqa-offbyone": [
+            *(BF16 + GQA + TP2_SP + OSS),
+            *("--softmax-type", "off-by-one", "--window-attn-skip-freq", "[1,0,0,1]"),
+        ],
         # GPT-3 175B's settings at toy size: tp + SP, selective recompute, bf16
         "gpt-tp2-sp-bf16-selective": [
             *BF16,
@@ -201,6 +222,8 @@ CASES = [(w, name) for w, layouts in LAYOUTS.items() for name in layouts]
 
 
 def _argv(name: str, flags: list[str]) -> list[str]:
+    if "oss" in name:  # gpt-oss: biases, and quick-GeGLU instead of SwiGLU
+        return [f for f in TINY if f not in ("--swiglu", "--disable-bias-linear")] + flags
     return (TINY_GPT if name.startswith("gpt-") else TINY) + flags
 
 

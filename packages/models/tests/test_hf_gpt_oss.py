@@ -161,9 +161,17 @@ def test_config_mapping_both_ways():
     assert all(config.moe_layer_pattern()) and not config.moe_router_pre_softmax
     assert config.add_bias_linear and config.untie_embeddings_and_output_weights
     assert (vocab, max_seq) == (V, 131072)
-    for rope_parameters in (True, False):  # transformers 5's form and 4's
-        d = config_to_hf_dict(config, vocab, max_seq, extras, rope_parameters=rope_parameters)
-        assert config_from_hf(d)[0] == config
+    for case in CASES:
+        config, vocab, max_seq, extras = config_from_hf(hf_config(case))
+        for rope_parameters in (True, False):  # transformers 5's form and 4's
+            d = config_to_hf_dict(config, vocab, max_seq, extras, rope_parameters=rope_parameters)
+            assert config_from_hf(d)[0] == config, (case, rope_parameters)
+    # keys left out take GptOssConfig's defaults, as transformers fills them in
+    sparse = {k: v for k, v in hf_config().to_dict().items() if k in _BASE}
+    for key in ("rope_parameters", "sliding_window", "head_dim", "layer_types"):
+        sparse.pop(key, None)
+    filled = transformers.GptOssConfig(**sparse)
+    assert config_from_hf({**sparse, "model_type": "gpt_oss"})[0] == config_from_hf(filled)[0]
     custom, *_ = config_from_hf(hf_config("pattern-attention-factor"))
     assert custom.window_attn_skip_freq == [0, 1, 1, 0]
     assert custom.mscale_all_dim == 0.0  # 0.1 mscale ln(32) + 1 = 1.2

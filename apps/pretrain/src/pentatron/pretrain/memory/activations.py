@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pentatron.models.attention_variants import MIN_WINDOW_BLOCKS, SINK_PAD
 from pentatron.models.sdpa import takes_grouped_kv
 
 from .plan import MemoryPlan
@@ -82,8 +83,9 @@ def _norm_bytes(plan: MemoryPlan, s_: int, b: int, e: int) -> int:
     return 2 * e * s_ * b * plan.config.hidden_size + 4 * stats * s_ * b
 
 
-def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms:
-    """One transformer layer; `first`: position ids come with the batch (see _pos_batch)."""
+def _layer_terms(plan: MemoryPlan, layer: int, first: bool) -> ActivationTerms:
+    """Transformer layer `layer` (global, 1-based; past num_layers: an MTP layer); `first`:
+    position ids come with the batch (see _pos_batch)."""
     c, t, b, e = plan.config, plan.tp, plan.micro_batch_size, plan.param_bytes
     s = _seq(plan)
     s_ = s // t if c.sequence_parallel else s
@@ -91,8 +93,13 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
     sb = s * b
     out = ActivationTerms()
     out.attention_norm = out.mlp_norm = _norm_bytes(plan, s_, b, e)
+    is_moe = c.is_moe and c.is_moe_layer(layer)
+    window = c.window_size[0] if c.is_window_attention_layer(layer) else None  # type: ignore[index]
+    variants = c.softmax_type != "vanilla" or window is not None
     if c.multi_latent_attention:
         att, core = _mla_terms(plan, s, s_, b, e)
+    elif variants and plan.cp == 1 and c.recompute_granularity != "selective":
+        att, core = _variant_attention_terms(plan, sb, b, e, nq, ng, d, window)
     else:
         att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
     if c.position_embedding_type in ("rope", "yarn") and e != 4:
@@ -109,9 +116,18 @@ def _layer_terms(plan: MemoryPlan, is_moe: bool, first: bool) -> ActivationTerms
 
 
 def _act_copies(c) -> int:
-    """`[.., F]` tensors the activation leaves for backward: fc2's input, and silu(gate)
-    when SwiGLU runs through plain autograd (see pentatron.models.activations)."""
-    return 2 if c.gated_linear_unit and not c.bias_activation_fusion else 1
+    """`[.., F]` tensors the activation leaves for backward (pentatron.models.activations):
+    fc2's input; through plain autograd (SwiGLU without bias_activation_fusion, or any
+    clamp / offset) also silu(gate), or quick-GeGLU's sigmoid(1.702 gate) and its product
+    with the gate; a clamp's clamped gate; a clamp's or an offset's new `up`."""
+    if not c.gated_linear_unit:
+        return 1
+    clamp = c.activation_func_clamp_value is not None
+    plain = not clamp and c.glu_linear_offset == 0.0
+    if plain and c.activation == "swiglu" and c.bias_activation_fusion:
+        return 1
+    act = 2 if c.activation == "quick_geglu" else 1
+    return 1 + act + int(clamp) + int(not plain)
 
 
 def _grouped_kv(plan: MemoryPlan, heads_per_group: int, d: int) -> bool:
@@ -121,7 +137,39 @@ def _grouped_kv(plan: MemoryPlan, heads_per_group: int, d: int) -> bool:
     )
 
 
-def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
+def _variant_attention_terms(plan, sb, b, e, nq, ng, d, window) -> tuple[int, int]:
+    """(QKV/RoPE bytes, core-attention bytes) with gpt-oss's sinks and / or a window
+    (pentatron.models.attention_variants; `window`: keys back on this layer, or None).
+    Every such call passes SDPA a mask, so GQA's k and v are repeated to nq heads:
+    - a window alone over few blocks (< MIN_WINDOW_BLOCKS of left + 1): the usual terms with
+      the repeats, plus the mask SDPA converts to the params dtype `e s^2`;
+    - else SDPA runs on new tensors, and the QKV output and RoPE's copies are not kept:
+      over B' = b (whole) or b nb (blockwise: nb blocks of R = left + 1 queries, K = 2 left
+      + 1 keys each; else R = K = s) with sinks D = d + 8 head dims and K + 1 keys: q and
+      the output `2 e B' nq R D`, k and v `2 e B' nq K D`, the mask `e (B') R K`, the fp32
+      log-sum-exp `4 B' nq R` (CUDA's memory-efficient kernel, which a mask takes: rows
+      padded to 32), and linear_proj's own copy of the output `e sb nq d`.
+    Measured on the CPU; the CUDA kernel's terms are derived."""
+    c, s = plan.config, sb // b
+    sinks = c.softmax_type != "vanilla"
+    blockwise = window is not None and -(-s // (window + 1)) >= MIN_WINDOW_BLOCKS
+    if not sinks and not blockwise:
+        att, core = _attention_terms(plan, sb, b, e, nq, ng, d, masked=True)
+        padded_lse = 0 if plan.device == "cpu" else 4 * b * nq * (-(-s // 32) * 32 - s)
+        return att, core + e * s * s + padded_lse
+    if blockwise:
+        rows, nb = window + 1, -(-s // (window + 1))
+        calls, keys = b * nb, 2 * window + 1
+    else:
+        rows, calls, keys = s, b, s
+    dd, keys = (d + SINK_PAD, keys + 1) if sinks else (d, keys)
+    mask = e * (calls if blockwise else 1) * rows * keys
+    lse_rows = rows if plan.device == "cpu" else -(-rows // 32) * 32
+    core = 2 * e * calls * nq * rows * dd + 2 * e * calls * nq * keys * dd + mask
+    return 0, core + 4 * calls * nq * lse_rows + e * sb * nq * d
+
+
+def _attention_terms(plan, sb, b, e, nq, ng, d, masked: bool = False) -> tuple[int, int]:
     """(QKV/RoPE/SDPA-input bytes, core-attention bytes). RoPE's multiplies keep only
     cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
     unless GQA repeats them (heads over 256 dims, fp32 on CUDA; then the repeats are kept
@@ -134,7 +182,7 @@ def _attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     rope = c.position_embedding_type in ("rope", "yarn")
     # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims,
     # fp32 on CUDA (or with an attention mask, which the app never passes): models.sdpa.
-    gqa = nq != ng and not _grouped_kv(plan, nq // ng, d)
+    gqa = nq != ng and (masked or not _grouped_kv(plan, nq // ng, d))
     selective = c.recompute_granularity == "selective"
     att = e * sb * nq * d if (rope or gqa) else 0
     if selective or not gqa:
@@ -217,7 +265,7 @@ def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> int:
     else:
         rstd = 4 if c.normalization == "RMSNorm" else 8
         per_depth = ids + e * sb_ * h + 2 * rstd * sb_ + 2 * e * sb_ * h
-        layer = _layer_terms(plan, c.is_moe_layer(c.num_layers + 1), True)
+        layer = _layer_terms(plan, c.num_layers + 1, True)
         per_depth += layer.total + (e * (sb - sb_) * h if c.sequence_parallel else 0)
         per_depth += _norm_bytes(plan, s_, b, e) + output
     return (c.mtp_num_layers or 0) * per_depth + 4 + (4 if c.calculate_per_token_loss else 0)
@@ -316,7 +364,6 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     s_ = s // t if c.sequence_parallel else s
     first, last = is_first_chunk(plan, pp_rank, vp), is_last_chunk(plan, pp_rank, vp)
     layers = list(chunk_layers(plan, pp_rank, vp))
-    moe = c.moe_layer_pattern() if c.is_moe else [False] * c.num_layers
     out = ActivationTerms()
     mtp = bool(c.mtp_num_layers) and last  # the MTP stage gets the position ids too
     if c.position_embedding_type in ("rope", "yarn") and (
@@ -335,7 +382,7 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     stored = _stored_layers(plan, len(layers))
     for i, layer in enumerate(layers):
         if i in stored:
-            out.add(_layer_terms(plan, moe[layer], first or mtp))
+            out.add(_layer_terms(plan, layer + 1, first or mtp))
     out.recompute_inputs = _num_checkpoints(plan, len(layers)) * e * s_ * b * c.hidden_size
     if last:
         out.final_norm = _norm_bytes(plan, s_, b, e)

@@ -60,23 +60,14 @@ class MemoryPlan:
                 "size it without mla_up_proj (an upper bound), or measure it",
             ),
         ]
-        gpt_oss = [
-            flag
-            for flag, on in (
-                ("--quick-geglu", c.activation == "quick_geglu"),
-                ("--glu-linear-offset", c.glu_linear_offset != 0.0),
-                ("--activation-func-clamp-value", c.activation_func_clamp_value is not None),
-                ("--softmax-type", c.softmax_type != "vanilla"),
-                ("--window-size", c.window_size is not None),
-            )
-            if on
-        ]
+        variant = "--softmax-type" if c.softmax_type != "vanilla" else "--window-size"
         refused.append(
             (
-                bool(gpt_oss),
-                f"{gpt_oss[0] if gpt_oss else ''}: gpt-oss's activation and attention "
-                "variants (their extra saved tensors, the sink's padded q/k/v) are not sized yet",
-                "measure it with torchrun -m pentatron.pretrain.memory.measure",
+                (c.softmax_type != "vanilla" or c.window_size is not None)
+                and c.context_parallel_size > 1,
+                f"{variant} with --context-parallel-size > 1: gpt-oss's attention variants "
+                "under a2a context parallelism are not sized yet",
+                "size it at cp 1, or measure it with torchrun -m pentatron.pretrain.memory.measure",
             )
         )
         for bad, what, fix in refused:

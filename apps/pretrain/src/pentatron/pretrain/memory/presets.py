@@ -13,6 +13,11 @@ command line override the preset's (parallel layout, batch, recompute, ...).
   (ffn 2048) in 4 of 8 groups with sigmoid scores and the expert bias, plus one shared
   expert, V 129280, first 3 layers dense (ffn 18432), one MTP depth: 671B parameters
   (37B activated) plus the MTP layer's 11.6B.
+- `gpt-oss-20b` / `gpt-oss-120b`: OpenAI's configs (24 / 36 layers, h 2880, 64 heads of 64
+  dims, GQA 8, learnable sinks, a 128-key window on every second layer from the first,
+  32 / 128 experts top-4 of ffn 2880 with biases, quick-GeGLU with offset 1 and clamp 7,
+  YaRN x32 over 4096 positions, V 201088, untied): 20.91B / 116.83B parameters, as
+  published (the model card counts 3.61B / 5.13B active without the input embedding).
 """
 
 from __future__ import annotations
@@ -141,6 +146,45 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+def _gpt_oss(layers: int, experts: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    flags = {
+        **_LLAMA,
+        "num_layers": layers,
+        "hidden_size": 2880,
+        "num_attention_heads": 64,
+        "kv_channels": 64,
+        "ffn_hidden_size": 2880,
+        "vocab_size": 201088,
+        "seq_length": 4096,
+        "norm_epsilon": 1e-5,
+        "swiglu": False,
+        "quick_geglu": True,
+        "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": 7.0,
+        "add_bias_linear": True,
+        "softmax_type": "learnable",
+        "window_size": (127, 0),
+        "window_attn_skip_freq": 2,
+        "position_embedding_type": "yarn",
+        "rotary_base": 150000.0,
+        "rotary_scaling_factor": 32.0,
+        "yarn_original_max_position_embeddings": 4096,
+        "yarn_correction_range_round_to_int": False,
+        "transformer_impl": "local",  # TE's attention takes neither sinks nor windows
+    }
+    moe = {
+        "num_moe_experts": experts,
+        "moe_router_topk": 4,
+        "moe_ffn_hidden_size": 2880,
+        "moe_layer_freq": 1,
+    }
+    return flags, moe
+
+
+PRESETS["gpt-oss-20b"] = _gpt_oss(24, 32)
+PRESETS["gpt-oss-120b"] = _gpt_oss(36, 128)
+
+
 def preset(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if name not in PRESETS:
         raise MemoryPlanError(
@@ -151,7 +195,16 @@ def preset(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict(flags), dict(moe)
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "deepseek_v2", "deepseek_v3")
+HF_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+)
 
 
 def _fail(path: str, key: str, value: Any, rule: str, fix: str) -> MemoryPlanError:
@@ -159,7 +212,7 @@ def _fail(path: str, key: str, value: Any, rule: str, fix: str) -> MemoryPlanErr
 
 
 def from_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Llama / Mistral / Mixtral / Qwen2 / Qwen2-MoE / DeepSeek-V2/V3 `config.json` ->
+    """A Llama / Mistral / Mixtral / Qwen2 / Qwen2-MoE / DeepSeek-V2/V3 / gpt-oss `config.json` ->
     (flags, MoE fields). The sequence length is `max_position_embeddings` (the command
     line's --seq-length wins); MoE is read from the experts' keys, never left dense."""
     try:
@@ -220,7 +273,50 @@ def _hf_flags(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]
         flags["max_position_embeddings"] = flags["seq_length"]
     if model_type.startswith("deepseek"):
         flags.update(_hf_mla(cfg, heads))
+    if model_type == "gpt_oss":
+        flags.update(_hf_gpt_oss(path, cfg))
     return flags
+
+
+# gpt-oss's TransformerConfig fields that are flags of the same name
+_GPT_OSS_FLAGS = (
+    "num_query_groups",
+    "kv_channels",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
+    "softmax_type",
+    "window_size",
+    "window_attn_skip_freq",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+)
+
+
+def _hf_gpt_oss(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's activation, attention variants and RoPE, read as the Hugging Face
+    conversion reads them (pentatron.models.hf's gpt-oss map)."""
+    from pentatron.models.hf import HFConfigError
+    from pentatron.models.hf.gpt_oss_map import gpt_oss_fields_from_hf
+
+    try:
+        fields = gpt_oss_fields_from_hf(cfg)
+    except HFConfigError as exc:
+        raise MemoryPlanError(f"--hf-config={path}: {exc}") from None
+    out = {k: fields[k] for k in _GPT_OSS_FLAGS if k in fields}
+    out.update(
+        swiglu=False,
+        quick_geglu=True,
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)),
+        transformer_impl="local",  # TE's attention takes neither sinks nor windows
+    )
+    return out
 
 
 def _hf_mla(cfg: dict[str, Any], heads: int) -> dict[str, Any]:
@@ -255,6 +351,8 @@ def _hf_biases(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any
     put `attention_bias` on q, k, v and o, and `mlp_bias` on the MLP."""
     if model_type in ("qwen2", "qwen2_moe"):
         return {"add_bias_linear": False, "add_qkv_bias": True}
+    if model_type == "gpt_oss":  # attention, router and experts all carry biases
+        return {"add_bias_linear": True, "add_qkv_bias": False}
     attn, mlp = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
     if attn != mlp:
         raise _fail(

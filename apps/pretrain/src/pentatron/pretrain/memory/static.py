@@ -82,6 +82,8 @@ def _attention(plan: MemoryPlan, p: str) -> list[ParamSpec]:
         return _mla(plan, p)
     qkv = (c.query_projection_size + 2 * c.kv_projection_size) // t
     out = _linear(f"{p}.linear_qkv", qkv, c.hidden_size, c.add_bias_linear or c.add_qkv_bias)
+    if c.softmax_type == "learnable":  # gpt-oss's sinks, one per head, split by heads
+        out.append(ParamSpec(f"{p}.core_attention.softmax_offset", c.num_attention_heads // t))
     out += _linear(f"{p}.linear_proj", c.hidden_size, c.query_projection_size // t, False)
     if c.add_bias_linear:
         out.append(ParamSpec(f"{p}.linear_proj.bias", c.hidden_size))

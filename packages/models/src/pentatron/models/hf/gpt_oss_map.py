@@ -11,6 +11,8 @@ swiglu_limit                          activation="quick_geglu" (x sigmoid(1.702 
                                       other than 1.702 refused), glu_linear_offset=1.0,
                                       activation_func_clamp_value=swiglu_limit
 self_attn.sinks (always)              softmax_type="learnable"
+(keys left out take GptOssConfig's defaults: yarn x32 over 4096, window 128, 8 kv heads
+of 64 dims, eps 1e-5, sliding / full alternating)
 sliding_window, layer_types           window_size=(sliding_window - 1, 0) (HF's window counts the
                                       query's own key), window_attn_skip_freq: 2 for
                                       sliding / full alternating from layer 1 (gpt-oss's
@@ -64,6 +66,22 @@ QUICK_GELU_ALPHA = 1.702  # quick-GeGLU's sigmoid gain, fixed in Megatron's and 
 SINKS_SUFFIX = "self_attention.core_attention.softmax_offset"
 SINKS_HF = "self_attn.sinks"
 _SLIDING, _FULL = "sliding_attention", "full_attention"
+# GptOssConfig's defaults for keys a config.json may leave out (transformers fills them in)
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+DEFAULTS = {
+    "sliding_window": 128,
+    "head_dim": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "router_aux_loss_coef": 0.001,
+}
 _EXPERTS = {  # our mlp.<suffix> -> HF mlp.experts.<name>
     "experts.linear_fc1.weight": "gate_up_proj",
     "experts.linear_fc1.bias": "gate_up_proj_bias",
@@ -105,7 +123,11 @@ def gpt_oss_fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
     if experts < 1:
         fail("num_local_experts", experts, "gpt-oss's layers are all MoE", "use >= 1")
     ffn = int(d["intermediate_size"])
+    heads = d["num_attention_heads"]
     return {
+        "num_query_groups": d.get("num_key_value_heads", DEFAULTS["num_key_value_heads"]) or heads,
+        "kv_channels": d.get("head_dim", DEFAULTS["head_dim"]) or d["hidden_size"] // heads,
+        "layernorm_epsilon": float(d.get("rms_norm_eps", DEFAULTS["rms_norm_eps"])),
         "ffn_hidden_size": ffn,
         "moe_ffn_hidden_size": ffn,
         "moe_layer_freq": 1,
@@ -114,7 +136,9 @@ def gpt_oss_fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
         "moe_router_pre_softmax": False,
         "moe_router_score_function": "softmax",
         "moe_router_load_balancing_type": "aux_loss",
-        "moe_aux_loss_coeff": float(d.get("router_aux_loss_coef", 0.0) or 0.0),
+        "moe_aux_loss_coeff": float(
+            d.get("router_aux_loss_coef", DEFAULTS["router_aux_loss_coef"])
+        ),
         "add_bias_linear": True,
         "add_qkv_bias": True,
         "activation": "quick_geglu",
@@ -142,7 +166,7 @@ def _window_from_hf(d: dict[str, Any]) -> dict[str, Any]:
             f"{layers} entries of {_SLIDING!r} / {_FULL!r}",
             "fix config.json's layer_types",
         )
-    window = d.get("sliding_window")
+    window = d.get("sliding_window", DEFAULTS["sliding_window"])
     sliding = [int(t == _SLIDING) for t in types]
     if window is None or not any(sliding):
         return {"window_size": None, "window_attn_skip_freq": None}
@@ -156,7 +180,14 @@ def _window_from_hf(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_from_hf(d: dict[str, Any]) -> dict[str, Any]:
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    # transformers 5 fills rope_parameters in; transformers 4's rope_scaling=None is plain
+    # RoPE; neither key: GptOssConfig's default
+    if d.get("rope_parameters") is not None:
+        params = dict(d["rope_parameters"])
+    elif "rope_scaling" in d:
+        params = dict(d["rope_scaling"] or {})
+    else:
+        params = dict(DEFAULT_ROPE)
     theta = float(params.get("rope_theta", d.get("rope_theta", 150000.0)))
     partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
