@@ -188,7 +188,6 @@ def test_quick_geglu_matches_the_gpt_oss_formula(clamp):
         ({"window_size": (3, 0), "window_attn_skip_freq": [1, 0]}, "window_attn_skip_freq"),
         ({"softmax_type": "sigmoid"}, "softmax_type"),
         ({"softmax_type": "learnable", "attention_backend": "flash"}, "attention_backend"),
-        ({"softmax_type": "learnable", "context_parallel_size": 2}, "softmax_type"),
         (
             {"window_size": (3, 0), "multi_latent_attention": True, "num_query_groups": None},
             "window_size",

@@ -7,7 +7,11 @@
   backward; all_gather moves one all-gather (K|V) and one reduce-scatter; a2a four
   all-to-alls each way, with the bytes of their formulas.
 - A 4-layer GPT (GQA, RoPE, q/k norm, SwiGLU) at cp2-tp2 with sequence parallelism gives
-  the single-process per-token losses and parameter grads (each comm type).
+  the single-process per-token losses and parameter grads (each comm type), and so does
+  gpt-oss's (learnable sinks, a window on every second layer, quick-GeGLU).
+- gpt-oss's variants in core attention at cp 2 and 4, each comm type: sinks and / or a
+  window (3 keys back: whole chunk pairs are skipped, others cut) equal Megatron's unfused
+  maths in fp64 (output, q/k/v grads and the sinks' grad summed over cp ranks).
 - Sharding round-trips; bad input raises clear errors.
 One distributed.run per world size (2, 4); the references run in this process.
 """
@@ -79,6 +83,61 @@ def _reference(s: int, seed: int):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+# (window keys back or None, sinks) of the variant cases; s = the first of SEQS[cp]
+VARIANTS = {"window3-sinks": (3, True), "sinks": (None, True), "window5": (5, False)}
+
+
+def _variant_config(cp: int, kind: str, window, sinks: bool) -> TransformerConfig:
+    return _config(
+        cp,
+        kind,
+        softmax_type="learnable" if sinks else "vanilla",
+        window_size=None if window is None else (window, 0),
+    )
+
+
+def _sink_values(seed: int) -> torch.Tensor:
+    return torch.randn(NQ, generator=torch.Generator().manual_seed(seed + 100))
+
+
+def _variant_reference(s: int, seed: int, window, sinks: bool):
+    """Megatron's unfused maths in fp64: scores, causal (and window) mask, the sink logit
+    as one more softmax column dropped after, @ v; -> out and the grads of q, k, v, sinks."""
+    q, k, v, dout = (x.double().requires_grad_(x.dim() == 4) for x in _inputs(s, seed))
+    a = _sink_values(seed).double().requires_grad_(sinks)
+    rep = NQ // NG
+    qb = q.permute(1, 2, 0, 3)
+    kb, vb = (x.permute(1, 2, 0, 3).repeat_interleave(rep, 1) for x in (k, v))
+    scores = qb @ kb.transpose(-1, -2) * D**-0.5
+    i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
+    allowed = (j <= i) & (j >= i - window) if window is not None else j <= i
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks:
+        column = a.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    out = (probs @ vb).permute(2, 0, 1, 3).reshape(s, B, -1)
+    out.backward(dout.double())
+    grads = [x.grad.float() for x in (q, k, v)]
+    return out.detach().float(), *grads, a.grad.float() if sinks else None
+
+
+def _one_variant_case(grid, cp, kind, s, seed, window, sinks):
+    attn = DotProductAttention(_variant_config(cp, kind, window, sinks), 1, 1)
+    attn.set_cp_group(grid.group("cp"))
+    if sinks:
+        with torch.no_grad():
+            attn.softmax_offset.copy_(_sink_values(seed))
+    rank = grid.rank("cp")
+    q, k, v, dout = (shard_for_cp_rank(x, cp, rank, dim=0) for x in _inputs(s, seed))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = attn(q, k, v)
+    out.backward(dout)
+    dsinks = attn.softmax_offset.grad.clone() if sinks else None
+    return out.detach(), q.grad, k.grad, v.grad, dsinks
+
+
 def _one_case(grid, cp, kind, s, seed):
     rank = grid.rank("cp")
     attn = DotProductAttention(_config(cp, kind), 1, 1)
@@ -148,13 +207,17 @@ def _worker(cp: int, gpt_inputs=None, gpt_oss_inputs=None):
         for kind in KINDS:
             for s in SEQS[cp]:
                 results[(kind, s)] = _one_case(grid, cp, kind, s, seed=s + cp)
+            for name, (window, sinks) in VARIANTS.items():
+                s = SEQS[cp][0]
+                results[(kind, name)] = _one_variant_case(grid, cp, kind, s, s + cp, window, sinks)
     finally:
         destroy_model_parallel(grid)
     if gpt_inputs is not None:
         for kind in KINDS:  # a2a: 8 heads and 4 groups divide by tp*cp = 4
             results[("gpt", kind)] = _gpt_case(kind, *gpt_inputs)
-    if gpt_oss_inputs is not None:  # sinks and windows: the all-to-all kind carries them
-        results[("gpt-oss", "a2a")] = _gpt_case("a2a", *gpt_oss_inputs, overrides=GPT_OSS)
+    if gpt_oss_inputs is not None:  # sinks and windows
+        for kind in KINDS:
+            results[("gpt-oss", kind)] = _gpt_case(kind, *gpt_oss_inputs, overrides=GPT_OSS)
     return results
 
 
@@ -197,11 +260,29 @@ def test_gpt_cp2_tp2_sp_matches_one_process(runs, gpt_reference, kind):
     _assert_gpt_matches([r[("gpt", kind)] for r in runs[4]], gpt_reference)
 
 
-def test_gpt_oss_cp2_tp2_sp_a2a_matches_one_process(runs, gpt_oss_reference):
-    """The same with gpt-oss's learnable sinks (each cp rank applies its heads' part),
-    sliding windows on every second layer (over the whole sequence) and quick-GeGLU."""
-    grads = _assert_gpt_matches([r[("gpt-oss", "a2a")] for r in runs[4]], gpt_oss_reference)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpt_oss_cp2_tp2_sp_matches_one_process(runs, gpt_oss_reference, kind):
+    """The same with gpt-oss's learnable sinks (a2a: each cp rank applies its heads' part;
+    the ring and all-gather: each rank folds them into its queries' merged softmax),
+    sliding windows on every second layer and quick-GeGLU."""
+    grads = _assert_gpt_matches([r[("gpt-oss", kind)] for r in runs[4]], gpt_oss_reference)
     assert sum(n.endswith("softmax_offset") for n in grads) == 4
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_variants_match_the_unfused_maths(runs, cp, kind, variant):
+    window, sinks = VARIANTS[variant]
+    s = SEQS[cp][0]
+    ref = _variant_reference(s, s + cp, window, sinks)
+    per_rank = [r[(kind, variant)] for r in runs[cp]]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = gather_cp_shards([r[i] for r in per_rank], dim=0)
+        torch.testing.assert_close(got, ref[i], **TOL, msg=f"{name} differs")
+    if sinks:  # each rank's grad covers its own queries
+        got = torch.stack([r[4] for r in per_rank]).sum(0)
+        torch.testing.assert_close(got, ref[4], **TOL, msg="the sinks' grad differs")
 
 
 def _assert_gpt_matches(per_rank, reference) -> dict:

@@ -202,15 +202,6 @@ def check_attention_variants(c: Any) -> None:
             "does not take on CUDA",
             "attention_backend='auto' (or 'fused', 'unfused')",
         )
-    if c.context_parallel_size > 1 and c.cp_comm_type != "a2a":
-        fail(
-            what,
-            w if w is not None else c.softmax_type,
-            "with context parallelism only cp_comm_type='a2a' carries sliding windows and "
-            "softmax sinks (each rank attends over the whole sequence); "
-            f"cp_comm_type={c.cp_comm_type!r} does not",
-            "cp_comm_type='a2a' (app: --cp-comm-type a2a)",
-        )
 
 
 def check_context_parallel(c: Any) -> None:

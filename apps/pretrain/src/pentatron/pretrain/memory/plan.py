@@ -66,7 +66,7 @@ class MemoryPlan:
                 (c.softmax_type != "vanilla" or c.window_size is not None)
                 and c.context_parallel_size > 1,
                 f"{variant} with --context-parallel-size > 1: gpt-oss's attention variants "
-                "under a2a context parallelism are not sized yet",
+                "under context parallelism are not sized yet",
                 "size it at cp 1, or measure it with torchrun -m pentatron.pretrain.memory.measure",
             )
         )

@@ -11,6 +11,8 @@
 The extra all-gather in backward buys the 1/cp memory: keeping the gathered K/V would save
 a full-sequence tensor per layer. Megatron / Transformer Engine make the same trade when
 they do not keep the gathered KV.
+gpt-oss's variants as in the ring (softmax_merge): windowed pairs masked by global
+positions (pairs no query sees are skipped), sinks folded in after the last pair.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
-from .softmax_merge import pair_case, pair_forward, pair_grads
+from .softmax_merge import add_sinks, pair_case, pair_forward, pair_grads, pair_keep, sinks_grad
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
@@ -52,40 +54,48 @@ def _order(rank: int, n: int) -> list[int]:
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[b, n, s/cp, d]` (causal)."""
+    """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]`, sinks `[n]` or None, window (keys back)
+    or None -> out `[b, n, s/cp, d]` (causal)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, group: Any, cp_rank: int):
+    def forward(ctx, q, k, v, sinks, scale: float, group: Any, cp_rank: int, window):
         kv = _gather_kv(k, v, group)
         qb = q.permute(1, 2, 0, 3)
         out = lse = None
         for j in _order(cp_rank, kv.size(0)):
+            keep = pair_keep(j, cp_rank, kv.size(0), q.size(0) // 2, window, q.device)
             case = pair_case(j, cp_rank)
-            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse)
-        assert out is not None, "_order yields at least the own rank's pair"
-        ctx.save_for_backward(q, k, v, out, lse)  # all [s/cp]: not the gathered kv
-        ctx.scale, ctx.group, ctx.cp_rank = scale, group, cp_rank
+            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse, keep)
+        assert out is not None and lse is not None, "_order yields the own rank's pair first"
+        out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)  # all [s/cp]: not the gathered kv
+        ctx.scale, ctx.group, ctx.cp_rank, ctx.window = scale, group, cp_rank, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         kv = _gather_kv(k, v, ctx.group).float()  # recompute the gather, not saved
         qb, dout = q.permute(1, 2, 0, 3), dout.float()
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qb, dtype=torch.float32)
         dkv = torch.zeros_like(kv)
         for j in range(kv.size(0)):
+            keep = pair_keep(j, ctx.cp_rank, kv.size(0), q.size(0) // 2, ctx.window, q.device)
             case = pair_case(j, ctx.cp_rank)
-            dq_p, dkv_p, qrows, kvrows = pair_grads(
-                case, qb, kv[j, 0], kv[j, 1], lse, dout, delta, ctx.scale
-            )
+            grads = pair_grads(case, qb, kv[j, 0], kv[j, 1], lse, dout, delta, ctx.scale, keep)
+            if grads is None:  # a windowed pair no query sees
+                continue
+            dq_p, dkv_p, qrows, kvrows = grads
             dq[:, :, qrows] += dq_p
             dkv[j, :, :, :, kvrows] += dkv_p
         dk, dv = _reduce_scatter_kv(dkv, k.dtype, ctx.group)
-        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, None, None, None
+        dsinks = sinks_grad(lse, delta, sinks) if ctx.needs_input_grad[3] else None
+        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, dsinks, None, None, None, None
 
 
-def all_gather_attention(q, k, v, scale: float, group: Any, cp_rank: int) -> torch.Tensor:
+def all_gather_attention(
+    q, k, v, scale: float, group: Any, cp_rank: int, sinks=None, window: int | None = None
+) -> torch.Tensor:
     """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[b, n, s/cp, d]` (causal)."""
-    return AllGatherAttention.apply(q, k, v, scale, group, cp_rank)
+    return AllGatherAttention.apply(q, k, v, sinks, scale, group, cp_rank, window)

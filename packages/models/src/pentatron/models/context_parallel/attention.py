@@ -53,20 +53,15 @@ def context_parallel_attention(
     """Causal attention of this rank's queries over the whole sequence -> `[s/cp, b, n d]`.
 
     `sinks` `[n]` (this tp rank's heads) and `window` (keys back): gpt-oss's variants,
-    which only the all-to-all kind carries (config_checks refuses the others)."""
+    which every kind carries."""
     s, b = q.shape[:2]
     kind = config.cp_comm_type
-    if (sinks is not None or window is not None) and kind != "a2a":
-        raise ModelConfigError(
-            f"cp_comm_type={kind!r} with softmax sinks or a sliding window: the rule: only "
-            "cp_comm_type='a2a' carries them; fix: cp_comm_type='a2a'"
-        )
     if kind == "p2p":
         qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-        out = ring_attention(qb, kb, vb, scale, group)  # [b, n, s/cp, d]
+        out = ring_attention(qb, kb, vb, scale, group, sinks, window)  # [b, n, s/cp, d]
     elif kind == "all_gather":
         cp_rank = dist.get_group_rank(group, dist.get_rank())
-        out = all_gather_attention(q, k, v, scale, group, cp_rank)
+        out = all_gather_attention(q, k, v, scale, group, cp_rank, sinks, window)
     elif kind == "a2a":
         out = a2a_attention(
             q, k, v, scale, group, config.attention_backend, sinks=sinks, window=window

@@ -9,6 +9,9 @@ flight (batch_isend_irecv to r + 1, from r - 1), and merges with the online-soft
 Forward: cp - 1 sends of one packed K/V block. Backward re-circulates K/V (cp - 1 sends)
 and sends each block's dK/dV accumulator with it (cp - 1 sends), recomputing only the
 per-block softmax from the saved LSE.
+gpt-oss's variants (softmax_merge): a window masks each block by global positions (a
+block no query sees is skipped, its K/V still passed on); the sinks fold in after the
+last block, and their grad comes from the saved (final) lse.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
-from .softmax_merge import pair_case, pair_forward, pair_grads
+from .softmax_merge import add_sinks, pair_case, pair_forward, pair_grads, pair_keep, sinks_grad
 
 
 class _Ring:
@@ -47,7 +50,11 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _ring_forward(q, k, v, scale: float, ring: _Ring):
+def _keep(src: int, q: torch.Tensor, ring: _Ring, window: int | None):
+    return pair_keep(src, ring.rank, ring.size, q.size(2) // 2, window, q.device)
+
+
+def _ring_forward(q, k, v, scale: float, ring: _Ring, window: int | None = None):
     """-> out `[b, n, 2L, d]` fp32, lse `[b, n, 2L]`."""
     kv = torch.stack([k, v])
     out = lse = None
@@ -56,14 +63,16 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring):
         if step < ring.size - 1:
             nxt, works = ring.exchange(kv)
         src = (ring.rank - step) % ring.size
-        out, lse = pair_forward(pair_case(src, ring.rank), q, kv[0], kv[1], scale, out, lse)
+        keep = _keep(src, q, ring, window)
+        case = pair_case(src, ring.rank)
+        out, lse = pair_forward(case, q, kv[0], kv[1], scale, out, lse, keep)
         _wait(works)
         if step < ring.size - 1:
             kv = nxt
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
+def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=None):
     """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32).
 
     K/V travel in their own dtype (as in forward) and are widened per block; the dK/dV
@@ -85,14 +94,19 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
         src = (ring.rank - step) % ring.size
         case = pair_case(src, ring.rank)
         k_f, v_f = kv[0].float(), kv[1].float()
-        dq_p, dkv_p, qrows, kvrows = pair_grads(case, q, k_f, v_f, lse, dout, delta, scale)
-        dq[:, :, qrows] += dq_p
+        keep = _keep(src, q, ring, window)
+        grads = pair_grads(case, q, k_f, v_f, lse, dout, delta, scale, keep)
+        if grads is not None:  # None: a windowed block no query sees
+            dq_p, dkv_p, qrows, kvrows = grads
+            dq[:, :, qrows] += dq_p
         if step == 0:
+            assert grads is not None, "every query sees its own key"
             own += dkv_p
         else:
             _wait(acc_works)
             acc = torch.zeros_like(own) if acc is None else acc
-            acc[:, :, :, kvrows] += dkv_p
+            if grads is not None:
+                acc[:, :, :, kvrows] += dkv_p
             # to the next rank, which holds this block next (or, last step, owns it)
             acc, acc_works = ring.exchange(acc)
         _wait(works)
@@ -105,23 +119,30 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring):
 
 
 class RingAttention(torch.autograd.Function):
-    """q `[b, n, 2L, d]`, k/v `[b, g, 2L, d]` (this rank's chunks) -> out `[b, n, 2L, d]`."""
+    """q `[b, n, 2L, d]`, k/v `[b, g, 2L, d]` (this rank's chunks), sinks `[n]` or None,
+    window (keys back) or None -> out `[b, n, 2L, d]`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, group: Any):
+    def forward(ctx, q, k, v, sinks, scale: float, group: Any, window: int | None):
         ring = _Ring(group)
-        out, lse = _ring_forward(q, k, v, scale, ring)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.ring = scale, ring
+        out, lse = _ring_forward(q, k, v, scale, ring, window)
+        out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.scale, ctx.ring, ctx.window = scale, ring, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.scale, ctx.ring)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.scale, ctx.ring, ctx.window)
+        dsinks = None
+        if ctx.needs_input_grad[3]:
+            dsinks = sinks_grad(lse, (dout.float() * out).sum(-1), sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
-def ring_attention(q, k, v, scale: float, group: Any) -> torch.Tensor:
+def ring_attention(
+    q, k, v, scale: float, group: Any, sinks=None, window: int | None = None
+) -> torch.Tensor:
     """Causal attention over the cp ring; shapes as `RingAttention`."""
-    return RingAttention.apply(q, k, v, scale, group)
+    return RingAttention.apply(q, k, v, sinks, scale, group, window)

@@ -3,9 +3,21 @@ the online-softmax merge of partial results, and a block's backward from the fin
 
 Layouts: q `[b, n, sq, d]`, k/v `[b, g, sk, d]` with n = g * heads_per_group (GQA: k/v are
 repeated inside, their grads summed back); lse `[b, n, sq]`. Math is fp32.
+
+gpt-oss's variants:
+- a window of `left` keys back masks each block by the global positions of its queries and
+  keys (`pair_keep`); a block no query of which sees a key is skipped (None), and a query
+  row that sees none of a block's keys gets lse -inf and output 0 there, which the merge
+  ignores (every query sees its own key in the diagonal block, so the result is finite);
+- a softmax sink a_h per head is one more key with logit a_h and value 0, folded in after
+  all blocks (`add_sinks`): lse' = logaddexp(lse, a_h), out' = out exp(lse - lse'). The
+  blocks' backward is unchanged given lse' and out' (the sink's column has no value), and
+  d a_h = -sum over queries of exp(a_h - lse') (dout . out') (`sinks_grad`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,24 +34,34 @@ def _fold(dx: torch.Tensor, rep: int) -> torch.Tensor:
     return dx.view(b, n // rep, rep, s, d).sum(2)
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, causal: bool, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """q k^T scale, masked causally (the corner bottom-right) and / or by `keep` `[sq, sk]`."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         sq, sk = s.shape[-2:]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
         s = s.masked_fill(~mask, float("-inf"))
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     return s
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out `[b, n, sq, d]` fp32, lse `[b, n, sq]` fp32) of softmax(q k^T scale) v."""
+    """-> (out `[b, n, sq, d]` fp32, lse `[b, n, sq]` fp32) of softmax(q k^T scale) v; a
+    row `keep` leaves no key gets lse -inf and output 0."""
     rep = q.size(1) // k.size(1)
     q, k, v = q.float(), _repeat(k.float(), rep), _repeat(v.float(), rep)
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, keep)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse[..., None]), v)
+    finite = lse if keep is None else lse.masked_fill(torch.isinf(lse), 0.0)
+    out = torch.matmul(torch.exp(s - finite[..., None]), v)
     return out, lse
 
 
@@ -53,7 +75,7 @@ def merge(
 
 
 def block_backward(
-    q, k, v, lse, dout, delta, scale: float, causal: bool
+    q, k, v, lse, dout, delta, scale: float, causal: bool, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grads of one block from the FINAL lse and `delta = sum(dout * out, -1)` `[b, n, sq]`.
 
@@ -63,7 +85,7 @@ def block_backward(
     """
     rep = q.size(1) // k.size(1)
     q, kr, vr = q.float(), _repeat(k.float(), rep), _repeat(v.float(), rep)
-    p = torch.exp(_scores(q, kr, scale, causal) - lse[..., None])
+    p = torch.exp(_scores(q, kr, scale, causal, keep) - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, vr.transpose(-1, -2)) - delta[..., None])
     dq = torch.matmul(ds, kr) * scale
@@ -81,12 +103,32 @@ def pair_case(src: int, rank: int) -> str:
     return "diag" if src == rank else ("lower" if src < rank else "upper")
 
 
-def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None):
+def pair_keep(src: int, rank: int, cp: int, half: int, window: int | None, device: Any):
+    """`[2L, 2L]` bool: which of cp rank `src`'s keys each query of `rank` sees under a
+    causal window of `window` keys back (None: no window -> None)."""
+    if window is None:
+        return None
+
+    def positions(r: int) -> torch.Tensor:  # chunks r and 2cp-1-r of L tokens each
+        a, b = r * half, (2 * cp - 1 - r) * half
+        return torch.cat([torch.arange(a, a + half), torch.arange(b, b + half)]).to(device)
+
+    qp, kp = positions(rank)[:, None], positions(src)[None, :]
+    return (kp <= qp) & (kp >= qp - window)
+
+
+def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, keep=None):
     """Fold the K/V pair k/v `[b, g, 2L, d]` into (out, lse) of q `[b, n, 2L, d]`.
 
-    "diag" starts the result (out/lse None); the others merge into it.
+    "diag" starts the result (out/lse None); the others merge into it. With a window's
+    `keep` (`pair_keep`) the whole pair is one masked block, skipped when it sees nothing.
     """
     half = q.size(2) // 2
+    if keep is not None:
+        if not bool(keep.any()):
+            return out, lse
+        o, s = block_forward(q, k, v, scale, False, keep)
+        return (o, s) if out is None else merge(out, lse, o, s)
     if case == "diag":
         return block_forward(q, k, v, scale, causal=True)
     if case == "lower":
@@ -97,9 +139,15 @@ def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None):
     return torch.cat([out[:, :, :half], o2], 2), torch.cat([lse[:, :, :half], s2], 2)
 
 
-def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float):
-    """(dq part, dK|dV part `[2, b, g, ., d]`, q rows, kv rows) of one K/V pair."""
+def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, keep=None):
+    """(dq part, dK|dV part `[2, b, g, ., d]`, q rows, kv rows) of one K/V pair; None for
+    a windowed pair that sees nothing."""
     half = q.size(2) // 2
+    if keep is not None:
+        if not bool(keep.any()):
+            return None
+        dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, False, keep)
+        return dq, torch.stack([dk, dv]), slice(None), slice(None)
     if case == "diag":
         dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, True)
         return dq, torch.stack([dk, dv]), slice(None), slice(None)
@@ -112,3 +160,20 @@ def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float):
         q[:, :, r], k, v, lse[:, :, r], dout[:, :, r], delta[:, :, r], scale, False
     )
     return dq, torch.stack([dk, dv]), r, slice(None)
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
+    """Fold one sink logit per head, `sinks` `[n]`, into the merged (out `[b, n, sq, d]`,
+    lse `[b, n, sq]`) (fp32): a key every query sees, with value 0. None: unchanged."""
+    if sinks is None:
+        return out, lse
+    new = torch.logaddexp(lse, sinks.float().view(1, -1, 1).expand_as(lse))
+    return out * torch.exp(lse - new)[..., None], new
+
+
+def sinks_grad(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor | None):
+    """d loss / d sinks `[n]` from the final lse and `delta = sum(dout * out, -1)`."""
+    if sinks is None:
+        return None
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)  # the sink's probability
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
