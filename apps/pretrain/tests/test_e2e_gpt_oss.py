@@ -5,7 +5,7 @@ router's logit bias) and the alltoall dispatcher. 6 steps at tp2-pp2-dp2 with SP
 losses and grad norms (before clipping, every rank; fp32, rtol 1e-6: the order of sums
 only); a checkpoint saved there resumes at tp1-pp1-dp4 with the next losses (the sinks
 reshard by heads). The memory calculator sizes the run (its bytes are measured exact in
-test_memory_measure) and refuses the variants only under context parallelism."""
+test_memory_measure, with and without context parallelism)."""
 
 from __future__ import annotations
 
@@ -53,14 +53,18 @@ def test_gpt_oss_checkpoint_resumes_at_another_layout(distributed, reference, tm
         )
 
 
-def test_memory_calculator_sizes_it_but_not_under_context_parallelism():
+def test_memory_calculator_sizes_the_variants_at_every_cp_kind():
+    """Sized at cp 1 and at cp2 of each kind (the bytes are measured exact in
+    test_memory_measure): the ring and all-gather keep their blockwise maths' few [s/cp]
+    tensors, a2a the sinks' padded SDPA inputs over the whole sequence for half the heads."""
     from pentatron.pretrain.arguments import parse_args, validate_args
-    from pentatron.pretrain.memory import MemoryPlanError, plan_from_args
+    from pentatron.pretrain.memory import plan_from_args
     from pentatron.pretrain.memory.activations import stage_activations
 
-    plan = plan_from_args(validate_args(parse_args(COMMON), 1))
-    assert stage_activations(plan, 0).per_microbatch.core_attention > 0
-    cp = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
-    args = validate_args(parse_args(COMMON + cp), 2)
-    with pytest.raises(MemoryPlanError, match=r"^--softmax-type with --context-parallel-size"):
-        plan_from_args(args)
+    def core(extra: list[str], world: int) -> int:
+        plan = plan_from_args(validate_args(parse_args(COMMON + extra), world))
+        return stage_activations(plan, 0).per_microbatch.core_attention
+
+    cp2 = ["--context-parallel-size", "2", "--cp-comm-type"]
+    sizes = [core([], 1), *(core([*cp2, kind], 2) for kind in ("a2a", "p2p", "all_gather"))]
+    assert sizes[2] == sizes[3] < sizes[1] < sizes[0]

@@ -157,6 +157,17 @@ LAYOUTS = {
             "all_gather",
         ],
         "cp2-a2a-bf16-gqa": BF16 + GQA + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+        # the ring and all-gather keep what they keep without the variants; a2a runs them
+        # over the whole sequence for nq/cp heads
+        "oss-cp2-p2p": [*OSS, "--context-parallel-size", "2", "--cp-comm-type", "p2p"],
+        "oss-cp2-all_gather-bf16": [
+            *(BF16 + OSS),
+            *("--context-parallel-size", "2", "--cp-comm-type", "all_gather"),
+        ],
+        "oss-cp2-a2a-bf16-gqa": BF16
+        + GQA
+        + OSS
+        + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
         "oss-tp2-sp-bf16-gqa-offbyone": [
             *(BF16 + GQA + TP2_SP + OSS),
             *("--softmax-type", "off-by-one", "--window-attn-skip-freq", "[1,0,0,1]"),

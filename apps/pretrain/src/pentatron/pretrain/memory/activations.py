@@ -98,8 +98,13 @@ def _layer_terms(plan: MemoryPlan, layer: int, first: bool) -> ActivationTerms:
     variants = c.softmax_type != "vanilla" or window is not None
     if c.multi_latent_attention:
         att, core = _mla_terms(plan, s, s_, b, e)
-    elif variants and plan.cp == 1 and c.recompute_granularity != "selective":
+    elif variants and c.recompute_granularity != "selective" and plan.cp == 1:
         att, core = _variant_attention_terms(plan, sb, b, e, nq, ng, d, window)
+    elif variants and c.recompute_granularity != "selective" and c.cp_comm_type == "a2a":
+        # SDPA over the whole sequence for nq/cp heads; the two int64 orderings `16 s`
+        cp = plan.cp
+        att, core = _variant_attention_terms(plan, sb * cp, b, e, nq // cp, ng // cp, d, window)
+        core += 16 * s * cp
     else:
         att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
     if c.position_embedding_type in ("rope", "yarn") and e != 4:

@@ -60,16 +60,6 @@ class MemoryPlan:
                 "size it without mla_up_proj (an upper bound), or measure it",
             ),
         ]
-        variant = "--softmax-type" if c.softmax_type != "vanilla" else "--window-size"
-        refused.append(
-            (
-                (c.softmax_type != "vanilla" or c.window_size is not None)
-                and c.context_parallel_size > 1,
-                f"{variant} with --context-parallel-size > 1: gpt-oss's attention variants "
-                "under context parallelism are not sized yet",
-                "size it at cp 1, or measure it with torchrun -m pentatron.pretrain.memory.measure",
-            )
-        )
         for bad, what, fix in refused:
             if bad:
                 raise MemoryPlanError(f"{what}; fix: {fix}")
