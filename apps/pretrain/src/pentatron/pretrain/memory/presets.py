@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..hf.config import GPT_OSS_DESTS, YARN_FIELDS
 from .plan import MemoryPlanError
 
 _LLAMA = {
@@ -282,20 +283,10 @@ def _hf_flags(path: str, cfg: dict[str, Any], model_type: str) -> dict[str, Any]
 _GPT_OSS_FLAGS = (
     "num_query_groups",
     "kv_channels",
-    "glu_linear_offset",
-    "activation_func_clamp_value",
-    "softmax_type",
-    "window_size",
-    "window_attn_skip_freq",
+    *GPT_OSS_DESTS,
     "position_embedding_type",
     "rotary_base",
-    "rotary_scaling_factor",
-    "mscale",
-    "mscale_all_dim",
-    "yarn_original_max_position_embeddings",
-    "yarn_beta_fast",
-    "yarn_beta_slow",
-    "yarn_correction_range_round_to_int",
+    *YARN_FIELDS,
 )
 
 

@@ -59,6 +59,7 @@ import torch
 from ..config import TransformerConfig
 from ..rope import yarn_concentration
 from .errors import HFConfigError, fail
+from .moe_map import _part  # ep / etp ranges, as for the other MoE forms
 from .mxfp4 import BLOCK, dequantize_mxfp4
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -343,13 +344,6 @@ def gpt_oss_hf_names(suffix: str, layer: int) -> list[str]:
         "router.weight / bias and experts.linear_fc1 / fc2 weight and bias; fix: convert a "
         "model without shared experts or the expert bias buffer"
     )
-
-
-def _part(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
-    if total % size:
-        raise ValueError(f"{what}={total} does not split over {size} ranks")
-    per = total // size
-    return rank * per, (rank + 1) * per
 
 
 def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
