@@ -129,10 +129,42 @@ def _save_moe(path: str, arch: str) -> None:
 def _save_gpt_oss(path: str) -> None:
     """A 4-layer gpt-oss (4 experts top-2 with biases, learnable sinks, a 4-key window on
     layers 1 and 3, YaRN, a clamp that acts), random weights, `save_pretrained`."""
+    _gpt_oss(24).save_pretrained(path, safe_serialization=True)
+
+
+def _save_gpt_oss_mxfp4(plain: str, mxfp4: str) -> None:
+    """`_save_gpt_oss`'s kind of model (expert width 32: MXFP4 blocks are 32 wide) whose
+    expert weights are random MXFP4 values: `plain` holds them dequantised
+    (`save_pretrained`), `mxfp4` as OpenAI's release stores them (uint8 blocks and scales,
+    `quantization_config` mxfp4)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model, g = _gpt_oss(32), torch.Generator().manual_seed(16)
+    files = dict(model.state_dict())
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        for name, rows in (("gate_up_proj", 64), ("down_proj", 32)):  # [E, out, in / 32, 16]
+            blocks = torch.randint(0, 256, (4, rows, 1, 16), generator=g).to(torch.uint8)
+            scales = torch.randint(120, 125, (4, rows, 1), generator=g).to(torch.uint8)
+            values = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            with torch.no_grad():
+                getattr(layer.mlp.experts, name).copy_(values)
+            del files[pre + name]
+            files[pre + name + "_blocks"], files[pre + name + "_scales"] = blocks, scales
+    model.save_pretrained(plain, safe_serialization=True)
+    os.makedirs(mxfp4)
+    save_file({k: v.contiguous() for k, v in files.items()}, f"{mxfp4}/model.safetensors")
+    config = {**model.config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    with open(f"{mxfp4}/config.json", "w") as f:
+        json.dump(config, f)
+
+
+def _gpt_oss(ffn: int):
     config = transformers.GptOssConfig(
         vocab_size=VOCAB,
         hidden_size=32,
-        intermediate_size=24,
+        intermediate_size=ffn,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -157,7 +189,7 @@ def _save_gpt_oss(path: str) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
+    return model
 
 
 def _save_deepseek(path: str, mtp: bool = False) -> None:
@@ -336,6 +368,18 @@ def test_moe_lr0_round_trip_at_ep2(distributed, tmp_path, arch):
             assert step.max() > 0, name
         else:
             assert torch.equal(exported[name], tensor), name
+
+
+def test_gpt_oss_mxfp4_release_starts_a_run_and_exports_dequantised(distributed, tmp_path):
+    """OpenAI's MXFP4 expert files pass the completeness check, load dequantised at ep2
+    (transformers' first loss on the same values saved plain) and export as the plain
+    save_pretrained directory, bitwise."""
+    plain, mxfp4, out = (str(tmp_path / n) for n in ("plain", "mxfp4", "out"))
+    _save_gpt_oss_mxfp4(plain, mxfp4)
+    argv = _argv(mxfp4, "--expert-model-parallel-size", "2", "--lr", "0", "--train-iters", "1")
+    per_rank = distributed.run(2, train_record, [*argv, "--export-hf-dir", out])
+    _assert_first_loss(per_rank, plain, argv, 2)
+    _assert_same_tensors(plain, out)
 
 
 def test_deepseek_mtp_layers_come_in_and_go_out(distributed, tmp_path):

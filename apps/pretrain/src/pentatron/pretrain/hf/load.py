@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pentatron.models.hf import FUSED, PER_EXPERT, SafetensorsDirSource, read_param_shard
+from pentatron.models.hf import FUSED, PER_EXPERT, SafetensorsDirSource, held, read_param_shard
 from pentatron.models.hf.state_map import hf_keys_expected
 from pentatron.models.sharding import state_tensors
 from pentatron.optim import FSDP2DataParallel, FSDP2Optimizer, local_tensor
@@ -29,11 +29,12 @@ from .config import PretrainedConfigError
 
 def missing_tensors(path: str, config: Any) -> list[str]:
     """The tensors a model of `config` reads that the safetensors files in `path` lack (MoE:
-    against the expert layout, fused or per expert, that fits the files best)."""
+    against the expert layout, fused or per expert, that fits the files best; gpt-oss's
+    expert weights may be stored in MXFP4)."""
     with SafetensorsDirSource(path) as src:
         have = src.keys()
     layouts = (PER_EXPERT, FUSED) if config.is_moe else (PER_EXPERT,)
-    misses = [[k for k in hf_keys_expected(config, lay) if k not in have] for lay in layouts]
+    misses = [[k for k in hf_keys_expected(config, lay) if not held(k, have)] for lay in layouts]
     return min(misses, key=len)
 
 

@@ -26,7 +26,7 @@ from .convert import (
     to_hf,
 )
 from .moe_map import FUSED, PER_EXPERT, default_expert_layout, hf_arch
-from .mxfp4 import dequantize_mxfp4
+from .mxfp4 import dequantize_mxfp4, held
 from .safetensors_io import SafetensorsDirSource
 from .state_map import DictSource, TensorSource, chunk_param_names, full_to_hf, read_shard
 
@@ -46,6 +46,7 @@ __all__ = [
     "from_hf",
     "full_to_hf",
     "hf_arch",
+    "held",
     "hf_shard_state_dict",
     "load_from_source",
     "load_hf_checkpoint_shard",

@@ -36,3 +36,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = lut[codes.long()].flatten(-2)  # [..., G, 32]
     exponents = scales.to(torch.int32) - 127
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
+
+
+def held(name: str, keys: set[str]) -> bool:
+    """Whether a checkpoint holding `keys` has tensor `name`, as itself or in MXFP4
+    (`name_blocks` and `name_scales`)."""
+    return name in keys or (name + "_blocks" in keys and name + "_scales" in keys)
