@@ -410,3 +410,48 @@ def test_causal_load_balance_and_flops(cp):
     total = num_floating_point_operations(config, s, 128, batch_size=3)
     per_rank = num_floating_point_operations_per_rank(config, s, 128, batch_size=3)
     assert per_rank == pytest.approx(total / (2 * cp))
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_windowed_pairs_score_only_the_quadrants_a_query_sees(monkeypatch, rank):
+    """cp 4, chunks of L = 4 tokens, a window of 3 keys back: of each pair's four
+    chunk-by-chunk quadrants only those holding a seen key are scored (counted), and the
+    result equals each whole pair scored under its mask and merged. Rank 0 (chunks 0 and
+    7) scores its two diagonal quadrants and chunk 7 against chunk 6: 3 L^2 scores, where
+    the causal kinds score 10 L^2."""
+    from pentatron.models.context_parallel import softmax_merge as sm
+
+    cp, half, window = 4, 4, 3
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 2, 2 * half, 8, generator=g) for _ in range(3))
+    order = [rank, *(j for j in range(cp) if j != rank)]
+    keeps = [sm.pair_keep(src, rank, cp, half, window, q.device) for src in order]
+    ref_out, ref_lse = sm.block_forward(q, k, v, 0.5, False, keeps[0])
+    for keep in keeps[1:]:
+        if keep.any():
+            ref_out, ref_lse = sm.merge(
+                ref_out, ref_lse, *sm.block_forward(q, k, v, 0.5, False, keep)
+            )
+    scored = []
+    real = sm.block_forward
+
+    def counted(qb, kb, vb, scale, causal, keep=None):
+        scored.append(qb.size(2) * kb.size(2))
+        return real(qb, kb, vb, scale, causal, keep)
+
+    monkeypatch.setattr(sm, "block_forward", counted)
+    out = lse = None
+    for keep in keeps:
+        out, lse = sm.pair_forward("unused with a window", q, k, v, 0.5, out, lse, keep)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    chunks = [(c * half, (c + 1) * half) for c in range(2 * cp)]
+    mine = [chunks[rank], chunks[2 * cp - 1 - rank]]
+    seen = [  # (query chunk, key chunk) pairs holding a key j with i - 3 <= j <= i
+        (a, b)
+        for a in mine
+        for b in chunks
+        if any(i - window <= j <= i for i in range(*a) for j in range(*b))
+    ]
+    assert sum(scored) == len(seen) * half * half
+    assert rank != 0 or sum(scored) == 3 * half * half

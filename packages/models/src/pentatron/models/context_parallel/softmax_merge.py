@@ -5,10 +5,13 @@ Layouts: q `[b, n, sq, d]`, k/v `[b, g, sk, d]` with n = g * heads_per_group (GQ
 repeated inside, their grads summed back); lse `[b, n, sq]`. Math is fp32.
 
 gpt-oss's variants:
-- a window of `left` keys back masks each block by the global positions of its queries and
-  keys (`pair_keep`); a block no query of which sees a key is skipped (None), and a query
-  row that sees none of a block's keys gets lse -inf and output 0 there, which the merge
-  ignores (every query sees its own key in the diagonal block, so the result is finite);
+- a window of `left` keys back masks each pair by the global positions of its queries and
+  keys (`pair_keep`). A pair is four chunk-by-chunk quadrants (queries of chunk r or
+  2cp-1-r against keys of the other rank's two chunks); only those in which some query
+  sees a key are computed (a window shorter than a chunk leaves one or two of the four,
+  where the causal kinds compute two), a pair with none is skipped (None). A query row
+  that sees none of a block's keys gets lse -inf and output 0 there, which the merge
+  ignores (every query sees its own key in the diagonal pair, so the result is finite);
 - a softmax sink a_h per head is one more key with logit a_h and value 0, folded in after
   all blocks (`add_sinks`): lse' = logaddexp(lse, a_h), out' = out exp(lse - lse'). The
   blocks' backward is unchanged given lse' and out' (the sink's column has no value), and
@@ -68,9 +71,11 @@ def block_forward(
 def merge(
     out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online softmax: combine two partial results over disjoint key sets."""
+    """Online softmax: combine two partial results over disjoint key sets (a row neither
+    saw stays lse -inf, output 0)."""
     new = torch.logaddexp(lse, lse_b)
-    out = out * torch.exp(lse - new)[..., None] + out_b * torch.exp(lse_b - new)[..., None]
+    ref = new.masked_fill(torch.isinf(new), 0.0)  # both -inf: both weights exp(-inf) = 0
+    out = out * torch.exp(lse - ref)[..., None] + out_b * torch.exp(lse_b - ref)[..., None]
     return out, new
 
 
@@ -117,6 +122,19 @@ def pair_keep(src: int, rank: int, cp: int, half: int, window: int | None, devic
     return (kp <= qp) & (kp >= qp - window)
 
 
+def _quadrants(keep: torch.Tensor) -> list[tuple[slice, slice, torch.Tensor]]:
+    """(query rows, key columns, their `keep`) of the chunk-by-chunk quadrants of a pair's
+    `[2L, 2L]` mask in which some query sees a key."""
+    half = keep.size(0) // 2
+    parts = []
+    for qs in (slice(0, half), slice(half, 2 * half)):
+        for ks in (slice(0, half), slice(half, 2 * half)):
+            sub = keep[qs, ks]
+            if bool(sub.any()):
+                parts.append((qs, ks, sub))
+    return parts
+
+
 def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, keep=None):
     """Fold the K/V pair k/v `[b, g, 2L, d]` into (out, lse) of q `[b, n, 2L, d]`.
 
@@ -125,10 +143,17 @@ def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, keep=None
     """
     half = q.size(2) // 2
     if keep is not None:
-        if not bool(keep.any()):
+        parts = _quadrants(keep)
+        if not parts:
             return out, lse
-        o, s = block_forward(q, k, v, scale, False, keep)
-        return (o, s) if out is None else merge(out, lse, o, s)
+        if out is None:  # the diagonal pair: every row gets its own key below
+            out = q.new_zeros(q.shape, dtype=torch.float32)
+            lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+        out, lse = out.clone(), lse.clone()
+        for qs, ks, sub in parts:
+            o, s = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, False, sub)
+            out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
+        return out, lse
     if case == "diag":
         return block_forward(q, k, v, scale, causal=True)
     if case == "lower":
@@ -144,10 +169,27 @@ def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, keep=None):
     a windowed pair that sees nothing."""
     half = q.size(2) // 2
     if keep is not None:
-        if not bool(keep.any()):
+        parts = _quadrants(keep)
+        if not parts:
             return None
-        dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, False, keep)
-        return dq, torch.stack([dk, dv]), slice(None), slice(None)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        for qs, ks, sub in parts:
+            dq_p, dk_p, dv_p = block_backward(
+                q[:, :, qs],
+                k[:, :, ks],
+                v[:, :, ks],
+                lse[:, :, qs],
+                dout[:, :, qs],
+                delta[:, :, qs],
+                scale,
+                False,
+                sub,
+            )
+            dq[:, :, qs] += dq_p
+            dkv[0, :, :, ks] += dk_p
+            dkv[1, :, :, ks] += dv_p
+        return dq, dkv, slice(None), slice(None)
     if case == "diag":
         dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, True)
         return dq, torch.stack([dk, dv]), slice(None), slice(None)
