@@ -663,15 +663,18 @@ def _convert(*argv: str) -> None:
     assert main(list(argv)) == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral", "deepseek_v3-mtp"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "deepseek_v3-mtp", "gpt_oss"])
 def test_checkpoint_converts_offline_to_what_the_run_exported(distributed, tmp_path, arch):
     """A tp2-pp2-dp2 run (ep2 for the MoE models; DeepSeek-V3 with its MTP depth on the
-    last stage) saves its checkpoint and exports; the offline conversion of the checkpoint
+    last stage; gpt-oss with its sinks split over tp) saves its checkpoint and exports; the
+    offline conversion of the checkpoint
     (DCP read of the global tensors, one layer at a time) equals the export (all-gathered
     from the live shards) bitwise, config.json too."""
     hf, out, ckpt, conv = (str(tmp_path / n) for n in ("hf", "out", "ckpt", "conv"))
     if arch == "llama":
         _save_llama(hf)
+    elif arch == "gpt_oss":
+        _save_gpt_oss(hf)
     else:
         _save_deepseek(hf, mtp=True) if arch.startswith("deepseek") else _save_moe(hf, arch)
     moe = ["--expert-model-parallel-size", "2", "--sequence-parallel"] if arch != "llama" else []

@@ -305,7 +305,11 @@ def _saver(args, chunks, optimizer, scheduler, grid, config, async_saver=None):
             grid=grid,
             config=config,
             consumed_samples=state.consumed_samples,
-            args={k: v for k, v in vars(args).items() if _jsonable(v)},
+            args={
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in vars(args).items()
+                if _jsonable(v)
+            },
             keep_last=args.ckpt_keep_last,
             async_saver=async_saver,
         )
@@ -314,10 +318,12 @@ def _saver(args, chunks, optimizer, scheduler, grid, config, async_saver=None):
 
 
 def _jsonable(v: Any) -> bool:
+    """Saved with the checkpoint: plain values, and lists or tuples of them (a tuple, e.g.
+    --window-size, is saved as a list; the flags take either)."""
     return (
         v is None
         or isinstance(v, (bool, int, float, str))
-        or (isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v))
+        or (isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v))
     )
 
 
