@@ -382,6 +382,26 @@ def test_gpt_oss_mxfp4_release_starts_a_run_and_exports_dequantised(distributed,
     _assert_same_tensors(plain, out)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--cp-comm-type", "p2p", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--cp-comm-type", "all_gather", "--pipeline-model-parallel-size", "2"],
+    ],
+    ids=["cp2-p2p-tp2-sp", "cp2-all_gather-pp2"],
+)
+def test_gpt_oss_at_cp2_with_blockwise_kinds_has_transformers_first_loss(
+    distributed, tmp_path, layout
+):
+    """The ring and all-gather kinds carry gpt-oss's sinks and windows (sinks folded into
+    the merged softmax, chunk pairs masked by global positions): transformers' loss."""
+    hf = str(tmp_path / "hf")
+    _save_gpt_oss(hf)
+    argv = _argv(hf, "--context-parallel-size", "2", *layout, "--lr", "0", "--train-iters", "1")
+    per_rank = distributed.run(4, train_record, argv)
+    _assert_first_loss(per_rank, hf, argv, 4 if "--tensor-model-parallel-size" in layout else 2)
+
+
 def test_deepseek_mtp_layers_come_in_and_go_out(distributed, tmp_path):
     """A checkpoint holding DeepSeek's MTP depth: --use-checkpoint-args turns MTP on, the
     MTP stage (pp2, with its embedding copy) reads it, its loss is logged, and the export
