@@ -124,6 +124,16 @@ LAYOUTS = {
             "8",
         ],
     ),
+    # world 4: context parallelism cp2 (the ring: K/V and dK/dV sent around it; another
+    # --cp-comm-type as an extra flag) x tp2 with SP and ZeRO-1
+    "cp2-tp2": (
+        4,
+        [
+            *("--context-parallel-size", "2", "--cp-comm-type", "p2p"),
+            *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+            *("--use-distributed-optimizer", "--global-batch-size", "8"),
+        ],
+    ),
     # world 8: multi-latent attention with q latent, latent norms and YaRN at tp2 x pp2
     # (2 virtual stages) x dp2 with SP and ZeRO-1, and one MTP depth (the last stage's
     # embedding copy, its all-reduce over the embedding group, the rolled inputs)

@@ -6,7 +6,8 @@ get_model with DDP chunks and the distributed optimizer, the pipeline schedule, 
 reductions, the optimizer step, a checkpoint save) as chosen ranks of a fake world of 8
 (tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather; the
 same under ZBV's V with its second p2p group and the loss moved to the last rank) or 4
-(MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM), in bf16 (and fp16 with dynamic loss
+(MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM; context parallelism: cp2 x tp2, the
+ring or the all-gather kind, with gpt-oss's sinks and windows), in bf16 (and fp16 with dynamic loss
 scaling at tp2-pp2-dp2) on `meta` tensors with
 torch's fake process group (`pentatron.parallel_state.testing.fake_device`). A rank
 fails on what fails or crawls on a GPU: a host tensor handed to a compute collective (the
@@ -88,6 +89,21 @@ def test_moe_step_runs_on_the_fake_gpu(tmp_path):
     result = _ok(dry_run(tmp_path, "moe-tp2-ep2", "0,3", "none", *gpt_oss))
     for r in result.values():
         assert r["iterations"] == 2
+
+
+@pytest.mark.parametrize("kind", ["p2p", "all_gather"])
+def test_context_parallel_step_runs_on_the_fake_gpu(tmp_path, kind):
+    """cp2 x tp2 (SP, ZeRO-1) with gpt-oss's sinks and windows: the ring's sends (or the
+    all-gather and reduce-scatter of K|V), the blockwise attention's GEMMs on bf16 operands
+    with fp32 sums (models before 0.7.0 widened q, k, v to fp32: CUDA cores, caught here),
+    the windows' masks made on the device; only the step's own host reads."""
+    gpt_oss = ["--softmax-type", "learnable", "--window-size", "7,0"]
+    gpt_oss += ["--window-attn-skip-freq", "2", "--transformer-impl", "local"]
+    result = _ok(dry_run(tmp_path, "cp2-tp2", "0,3", "none", "--cp-comm-type", kind, *gpt_oss))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
+        assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
 
 
 def test_mla_step_runs_on_the_fake_gpu(tmp_path):

@@ -138,6 +138,18 @@ def _one_variant_case(grid, cp, kind, s, seed, window, sinks):
     return out.detach(), q.grad, k.grad, v.grad, dsinks
 
 
+def _one_bf16_case(grid, cp, kind, s, seed):
+    """The same attention in bf16 (the GEMMs' operands in bf16, sums in fp32)."""
+    attn = DotProductAttention(_config(cp, kind, params_dtype=torch.bfloat16), 1, 1)
+    attn.set_cp_group(grid.group("cp"))
+    rank = grid.rank("cp")
+    q, k, v, dout = (shard_for_cp_rank(x, cp, rank, dim=0) for x in _inputs(s, seed))
+    q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+    out = attn(q, k, v)
+    out.backward(dout.to(torch.bfloat16))
+    return [x.float() for x in (out.detach(), q.grad, k.grad, v.grad)]
+
+
 def _one_case(grid, cp, kind, s, seed):
     rank = grid.rank("cp")
     attn = DotProductAttention(_config(cp, kind), 1, 1)
@@ -207,6 +219,9 @@ def _worker(cp: int, gpt_inputs=None, gpt_oss_inputs=None):
         for kind in KINDS:
             for s in SEQS[cp]:
                 results[(kind, s)] = _one_case(grid, cp, kind, s, seed=s + cp)
+            if kind != "a2a":  # a2a is one SDPA call
+                s = SEQS[cp][0]
+                results[(kind, "bf16")] = _one_bf16_case(grid, cp, kind, s, s + cp)
             for name, (window, sinks) in VARIANTS.items():
                 s = SEQS[cp][0]
                 results[(kind, name)] = _one_variant_case(grid, cp, kind, s, s + cp, window, sinks)
@@ -424,8 +439,14 @@ def test_windowed_pairs_score_only_the_quadrants_a_query_sees(monkeypatch, rank)
     cp, half, window = 4, 4, 3
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, 2, 2 * half, 8, generator=g) for _ in range(3))
+    from pentatron.models.context_parallel import cp_positions
+
     order = [rank, *(j for j in range(cp) if j != rank)]
-    keeps = [sm.pair_keep(src, rank, cp, half, window, q.device) for src in order]
+    qp = cp_positions(2 * cp * half, cp, rank)[:, None]
+    keeps = [  # the whole pair's mask, from the global positions
+        (kp <= qp) & (kp >= qp - window)
+        for kp in (cp_positions(2 * cp * half, cp, src)[None, :] for src in order)
+    ]
     ref_out, ref_lse = sm.block_forward(q, k, v, 0.5, False, keeps[0])
     for keep in keeps[1:]:
         if keep.any():
@@ -441,8 +462,9 @@ def test_windowed_pairs_score_only_the_quadrants_a_query_sees(monkeypatch, rank)
 
     monkeypatch.setattr(sm, "block_forward", counted)
     out = lse = None
-    for keep in keeps:
-        out, lse = sm.pair_forward("unused with a window", q, k, v, 0.5, out, lse, keep)
+    for src in order:
+        quads = sm.window_quadrants(src, rank, cp, half, window, q.device)
+        out, lse = sm.pair_forward("unused with a window", q, k, v, 0.5, out, lse, quads)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
     chunks = [(c * half, (c + 1) * half) for c in range(2 * cp)]
@@ -455,3 +477,28 @@ def test_windowed_pairs_score_only_the_quadrants_a_query_sees(monkeypatch, rank)
     ]
     assert sum(scored) == len(seen) * half * half
     assert rank != 0 or sum(scored) == 3 * half * half
+
+
+@pytest.mark.parametrize("kind", ["p2p", "all_gather"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bf16_blockwise_kinds_are_as_accurate_as_sdpa(runs, cp, kind):
+    """In bf16 the ring and all-gather take bf16 GEMM operands (the probabilities and ds
+    too, as flash attention does) with fp32 sums: against fp64 their output and grads are
+    within 1.5x the error of single-process bf16 SDPA on the same inputs (measured: 0.66
+    to 1.14x), and that error is bf16 rounding, not a wrong result."""
+    s = SEQS[cp][0]
+    ref = _variant_reference(s, s + cp, None, False)[:4]
+    q, k, v, dout = (x.to(torch.bfloat16) for x in _inputs(s, s + cp))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    kb, vb = (x.repeat_interleave(NQ // NG, 1) for x in (kb, vb))
+    sdpa = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=D**-0.5)
+    sdpa = sdpa.permute(2, 0, 1, 3).reshape(s, B, -1)
+    sdpa.backward(dout)
+    single = [x.float() for x in (sdpa.detach(), q.grad, k.grad, v.grad)]
+    per_rank = [r[(kind, "bf16")] for r in runs[cp]]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = gather_cp_shards([r[i] for r in per_rank], dim=0)
+        err, err_sdpa = (got - ref[i]).abs().max(), (single[i] - ref[i]).abs().max()
+        assert err <= 1.5 * err_sdpa, (name, float(err), float(err_sdpa))
+        assert err_sdpa < 0.05 * ref[i].abs().max(), name  # bf16 rounding, not a wrong result

@@ -24,7 +24,14 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
-from .softmax_merge import add_sinks, pair_case, pair_forward, pair_grads, pair_keep, sinks_grad
+from .softmax_merge import (
+    add_sinks,
+    pair_case,
+    pair_forward,
+    pair_grads,
+    sinks_grad,
+    window_quadrants,
+)
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
@@ -63,9 +70,9 @@ class AllGatherAttention(torch.autograd.Function):
         qb = q.permute(1, 2, 0, 3)
         out = lse = None
         for j in _order(cp_rank, kv.size(0)):
-            keep = pair_keep(j, cp_rank, kv.size(0), q.size(0) // 2, window, q.device)
+            quads = window_quadrants(j, cp_rank, kv.size(0), q.size(0) // 2, window, q.device)
             case = pair_case(j, cp_rank)
-            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse, keep)
+            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse, quads)
         assert out is not None and lse is not None, "_order yields the own rank's pair first"
         out, lse = add_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)  # all [s/cp]: not the gathered kv
@@ -75,15 +82,17 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        kv = _gather_kv(k, v, ctx.group).float()  # recompute the gather, not saved
-        qb, dout = q.permute(1, 2, 0, 3), dout.float()
-        delta = (dout * out).sum(-1)
+        kv = _gather_kv(k, v, ctx.group)  # recompute the gather, not saved
+        qb = q.permute(1, 2, 0, 3)
+        delta = (dout.float() * out).sum(-1)  # dout stays in its dtype for the GEMMs
         dq = torch.zeros_like(qb, dtype=torch.float32)
-        dkv = torch.zeros_like(kv)
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
         for j in range(kv.size(0)):
-            keep = pair_keep(j, ctx.cp_rank, kv.size(0), q.size(0) // 2, ctx.window, q.device)
+            quads = window_quadrants(
+                j, ctx.cp_rank, kv.size(0), q.size(0) // 2, ctx.window, q.device
+            )
             case = pair_case(j, ctx.cp_rank)
-            grads = pair_grads(case, qb, kv[j, 0], kv[j, 1], lse, dout, delta, ctx.scale, keep)
+            grads = pair_grads(case, qb, kv[j, 0], kv[j, 1], lse, dout, delta, ctx.scale, quads)
             if grads is None:  # a windowed pair no query sees
                 continue
             dq_p, dkv_p, qrows, kvrows = grads

@@ -23,7 +23,14 @@ import torch.distributed as dist
 
 from pentatron.parallel_state import comm
 
-from .softmax_merge import add_sinks, pair_case, pair_forward, pair_grads, pair_keep, sinks_grad
+from .softmax_merge import (
+    add_sinks,
+    pair_case,
+    pair_forward,
+    pair_grads,
+    sinks_grad,
+    window_quadrants,
+)
 
 
 class _Ring:
@@ -50,8 +57,8 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _keep(src: int, q: torch.Tensor, ring: _Ring, window: int | None):
-    return pair_keep(src, ring.rank, ring.size, q.size(2) // 2, window, q.device)
+def _quadrants(src: int, q: torch.Tensor, ring: _Ring, window: int | None):
+    return window_quadrants(src, ring.rank, ring.size, q.size(2) // 2, window, q.device)
 
 
 def _ring_forward(q, k, v, scale: float, ring: _Ring, window: int | None = None):
@@ -63,9 +70,9 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring, window: int | None = None)
         if step < ring.size - 1:
             nxt, works = ring.exchange(kv)
         src = (ring.rank - step) % ring.size
-        keep = _keep(src, q, ring, window)
+        quads = _quadrants(src, q, ring, window)
         case = pair_case(src, ring.rank)
-        out, lse = pair_forward(case, q, kv[0], kv[1], scale, out, lse, keep)
+        out, lse = pair_forward(case, q, kv[0], kv[1], scale, out, lse, quads)
         _wait(works)
         if step < ring.size - 1:
             kv = nxt
@@ -75,13 +82,12 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring, window: int | None = None)
 def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=None):
     """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32).
 
-    K/V travel in their own dtype (as in forward) and are widened per block; the dK/dV
+    K/V travel in their own dtype (as in forward) and enter the GEMMs in it; the dK/dV
     accumulators travel in fp32. Each step's K/V exchange overlaps that step's block, and
     the accumulator sent at step i is waited for only when step i + 1 adds to it, so it
     overlaps the next block's computation too.
     """
-    dout = dout.float()
-    delta = (dout * out).sum(-1)
+    delta = (dout.float() * out).sum(-1)  # dout stays in its dtype for the GEMMs
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
     own = torch.zeros_like(kv, dtype=torch.float32)
@@ -93,9 +99,8 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=No
             nxt, works = ring.exchange(kv)
         src = (ring.rank - step) % ring.size
         case = pair_case(src, ring.rank)
-        k_f, v_f = kv[0].float(), kv[1].float()
-        keep = _keep(src, q, ring, window)
-        grads = pair_grads(case, q, k_f, v_f, lse, dout, delta, scale, keep)
+        quads = _quadrants(src, q, ring, window)
+        grads = pair_grads(case, q, kv[0], kv[1], lse, dout, delta, scale, quads)
         if grads is not None:  # None: a windowed block no query sees
             dq_p, dkv_p, qrows, kvrows = grads
             dq[:, :, qrows] += dq_p

@@ -2,14 +2,22 @@
 the online-softmax merge of partial results, and a block's backward from the final LSE.
 
 Layouts: q `[b, n, sq, d]`, k/v `[b, g, sk, d]` with n = g * heads_per_group (GQA: k/v are
-repeated inside, their grads summed back); lse `[b, n, sq]`. Math is fp32.
+repeated inside, their grads summed back); lse `[b, n, sq]`.
+
+Precision, as flash attention's: the GEMMs take q, k, v, dout and the probabilities in the
+compute dtype (bf16 / fp16 in a 16-bit model: tensor cores on a GPU, through bmm's fp32
+result, `_mm`) and sum in fp32; scores, softmax, lse, the merge and the output accumulator
+are fp32. Where the device has no such GEMM (the CPU) the operands are widened to fp32:
+products of 16-bit values are exact in fp32, so both sum the same products. An fp32 model
+computes in fp32 throughout.
 
 gpt-oss's variants:
-- a window of `left` keys back masks each pair by the global positions of its queries and
-  keys (`pair_keep`). A pair is four chunk-by-chunk quadrants (queries of chunk r or
-  2cp-1-r against keys of the other rank's two chunks); only those in which some query
-  sees a key are computed (a window shorter than a chunk leaves one or two of the four,
-  where the causal kinds compute two), a pair with none is skipped (None). A query row
+- a window of `left` keys back: a pair is four chunk-by-chunk quadrants (queries of chunk
+  r or 2cp-1-r against keys of the other rank's two chunks); only those in which some
+  query sees a key are computed, each masked by the global positions of its queries and
+  keys (`window_quadrants`, decided from the chunk indices on the host: no device sync).
+  A window shorter than a chunk leaves one or two of the four, where the causal kinds
+  compute two; a pair with none is skipped (None). A query row
   that sees none of a block's keys gets lse -inf and output 0 there, which the merge
   ignores (every query sees its own key in the diagonal pair, so the result is finite);
 - a softmax sink a_h per head is one more key with logit a_h and value 0, folded in after
@@ -23,6 +31,34 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+_LOW = (torch.bfloat16, torch.float16)
+_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _takes_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does `bmm(..., out_dtype=float32)` run on `dtype` operands on `device`? (CUDA: yes,
+    on tensor cores; the CPU: no.) Probed once per device type and dtype."""
+    key = (device.type, dtype)
+    if key not in _OUT_DTYPE:
+        a = torch.zeros(1, 2, 2, dtype=dtype, device=device)
+        try:
+            _OUT_DTYPE[key] = torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return _OUT_DTYPE[key]
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a [..., m, k] @ b [..., k, n]` -> fp32 `[..., m, n]`, operands in their own dtype
+    where the device has a GEMM with an fp32 result, else widened (the same products)."""
+    if a.dtype in _LOW and a.dtype == b.dtype and _takes_out_dtype(a.device, a.dtype):
+        lead = a.shape[:-2]
+        out = torch.bmm(
+            a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32
+        )
+        return out.view(*lead, a.size(-2), b.size(-1))
+    return torch.matmul(a.float(), b.float())
 
 
 def _repeat(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -38,8 +74,9 @@ def _fold(dx: torch.Tensor, rep: int) -> torch.Tensor:
 
 
 def _scores(q, k, scale: float, causal: bool, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """q k^T scale, masked causally (the corner bottom-right) and / or by `keep` `[sq, sk]`."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    """q k^T scale (fp32), masked causally (the corner bottom-right) and / or by `keep`
+    `[sq, sk]`."""
+    s = _mm(q, k.transpose(-1, -2)) * scale
     if causal:
         sq, sk = s.shape[-2:]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
@@ -60,11 +97,11 @@ def block_forward(
     """-> (out `[b, n, sq, d]` fp32, lse `[b, n, sq]` fp32) of softmax(q k^T scale) v; a
     row `keep` leaves no key gets lse -inf and output 0."""
     rep = q.size(1) // k.size(1)
-    q, k, v = q.float(), _repeat(k.float(), rep), _repeat(v.float(), rep)
+    k, v = _repeat(k.to(q.dtype), rep), _repeat(v.to(q.dtype), rep)
     s = _scores(q, k, scale, causal, keep)
     lse = torch.logsumexp(s, dim=-1)
     finite = lse if keep is None else lse.masked_fill(torch.isinf(lse), 0.0)
-    out = torch.matmul(torch.exp(s - finite[..., None]), v)
+    out = _mm(torch.exp(s - finite[..., None]).to(q.dtype), v)
     return out, lse
 
 
@@ -86,15 +123,16 @@ def block_backward(
 
     p = exp(s - lse) is the block's share of the full softmax, so
     dv = p^T dout, ds = p (dout v^T - delta), dq = ds k scale, dk = ds^T q scale.
+    The GEMMs take p, ds and dout in q's dtype (see the module docstring).
     -> (dq `[b, n, sq, d]`, dk, dv `[b, g, sk, d]`), fp32.
     """
-    rep = q.size(1) // k.size(1)
-    q, kr, vr = q.float(), _repeat(k.float(), rep), _repeat(v.float(), rep)
+    rep, low = q.size(1) // k.size(1), q.dtype
+    kr, vr, dout = _repeat(k.to(low), rep), _repeat(v.to(low), rep), dout.to(low)
     p = torch.exp(_scores(q, kr, scale, causal, keep) - lse[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, vr.transpose(-1, -2)) - delta[..., None])
-    dq = torch.matmul(ds, kr) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    dv = _mm(p.transpose(-1, -2).to(low), dout)
+    ds = p * (_mm(dout, vr.transpose(-1, -2)) - delta[..., None])
+    dq = _mm(ds.to(low), kr) * scale
+    dk = _mm(ds.transpose(-1, -2).to(low), q) * scale
     return dq, _fold(dk, rep), _fold(dv, rep)
 
 
@@ -108,42 +146,41 @@ def pair_case(src: int, rank: int) -> str:
     return "diag" if src == rank else ("lower" if src < rank else "upper")
 
 
-def pair_keep(src: int, rank: int, cp: int, half: int, window: int | None, device: Any):
-    """`[2L, 2L]` bool: which of cp rank `src`'s keys each query of `rank` sees under a
-    causal window of `window` keys back (None: no window -> None)."""
+Quadrant = tuple[slice, slice, torch.Tensor]
+
+
+def window_quadrants(
+    src: int, rank: int, cp: int, half: int, window: int | None, device: Any
+) -> list[Quadrant] | None:
+    """The quadrants of the pair (queries of cp rank `rank`, keys of cp rank `src`) in which
+    some query sees a key under a causal window of `window` keys back: (query rows, key
+    rows of the pair's `2L`, `[L, L]` bool keep on `device`). None without a window."""
     if window is None:
         return None
-
-    def positions(r: int) -> torch.Tensor:  # chunks r and 2cp-1-r of L tokens each
-        a, b = r * half, (2 * cp - 1 - r) * half
-        return torch.cat([torch.arange(a, a + half), torch.arange(b, b + half)]).to(device)
-
-    qp, kp = positions(rank)[:, None], positions(src)[None, :]
-    return (kp <= qp) & (kp >= qp - window)
-
-
-def _quadrants(keep: torch.Tensor) -> list[tuple[slice, slice, torch.Tensor]]:
-    """(query rows, key columns, their `keep`) of the chunk-by-chunk quadrants of a pair's
-    `[2L, 2L]` mask in which some query sees a key."""
-    half = keep.size(0) // 2
     parts = []
-    for qs in (slice(0, half), slice(half, 2 * half)):
-        for ks in (slice(0, half), slice(half, 2 * half)):
-            sub = keep[qs, ks]
-            if bool(sub.any()):
-                parts.append((qs, ks, sub))
+    for qi, cq in enumerate((rank, 2 * cp - 1 - rank)):
+        for ki, ck in enumerate((src, 2 * cp - 1 - src)):
+            q0, k0 = cq * half, ck * half
+            if ck > cq or k0 + half - 1 < q0 - window:  # all future, or all out of reach
+                continue
+            qp = torch.arange(q0, q0 + half, device=device)[:, None]
+            kp = torch.arange(k0, k0 + half, device=device)[None, :]
+            keep = (kp <= qp) & (kp >= qp - window)
+            parts.append(
+                (slice(qi * half, (qi + 1) * half), slice(ki * half, (ki + 1) * half), keep)
+            )
     return parts
 
 
-def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, keep=None):
+def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, quadrants=None):
     """Fold the K/V pair k/v `[b, g, 2L, d]` into (out, lse) of q `[b, n, 2L, d]`.
 
     "diag" starts the result (out/lse None); the others merge into it. With a window's
-    `keep` (`pair_keep`) the whole pair is one masked block, skipped when it sees nothing.
+    `quadrants` (`window_quadrants`) only those are scored; none: the pair is skipped.
     """
     half = q.size(2) // 2
-    if keep is not None:
-        parts = _quadrants(keep)
+    if quadrants is not None:
+        parts = quadrants
         if not parts:
             return out, lse
         if out is None:  # the diagonal pair: every row gets its own key below
@@ -164,12 +201,12 @@ def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, keep=None
     return torch.cat([out[:, :, :half], o2], 2), torch.cat([lse[:, :, :half], s2], 2)
 
 
-def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, keep=None):
+def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, quadrants=None):
     """(dq part, dK|dV part `[2, b, g, ., d]`, q rows, kv rows) of one K/V pair; None for
     a windowed pair that sees nothing."""
     half = q.size(2) // 2
-    if keep is not None:
-        parts = _quadrants(keep)
+    if quadrants is not None:
+        parts = quadrants
         if not parts:
             return None
         dq = torch.zeros_like(q, dtype=torch.float32)
