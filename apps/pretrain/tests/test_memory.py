@@ -254,6 +254,17 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
             [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
             "--pipeline-schedule zbv: the weight-gradient store",
         ),
+        (  # sized as core_attn it would be wrong: core attention stays stored
+            [*SMALL, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+            "--recompute-modules mlp: selective recompute is sized for core_attn",
+        ),
+        (
+            [
+                *(*SMALL, "--recompute-granularity", "selective"),
+                *("--recompute-modules", "core_attn", "mlp", "layernorm"),
+            ],
+            "--recompute-modules layernorm mlp: selective",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, needle, capsys):
@@ -658,12 +669,16 @@ def test_fp32_gqa_on_cuda_keeps_the_repeated_kv():
 @pytest.mark.checkout  # examples/ lives in the repository, not in the wheel's test copy
 @pytest.mark.parametrize(
     ("name", "world"),
-    [("llama3-8b-like.yaml", 64), ("mixtral-8x7b-like.yaml", 64), ("gpt-oss-20b-like.yaml", 8)],
+    [
+        ("llama3-8b-like.yaml", 64),
+        ("mixtral-8x7b-like.yaml", 64),
+        ("deepseek-v3-like.yaml", 8),
+        ("gpt-oss-20b-like.yaml", 8),
+    ],
 )
 def test_example_configs_fit_the_gpus_they_are_written_for(name, world, capsys):
     """The cluster example configs (written for 80 GB H100s) size at their world and fit:
-    every stage's total under 80 GB. (deepseek-v3-like's mla_up_proj recompute is refused
-    by name: not sized yet.)"""
+    every stage's total under 80 GB (deepseek-v3-like with its mla_up_proj recompute)."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[3] / "examples" / "configs" / name

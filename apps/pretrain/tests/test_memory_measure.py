@@ -93,6 +93,13 @@ LAYOUTS = {
             "1",
         ],
         "mla-bf16-mtp": BF16 + MLA + MTP,
+        # DeepSeek's recipe: the up-projections in an output-discarding checkpoint too (their
+        # output is freed within the forward; the RoPE tables stay fp32), with MTP
+        "mla-bf16-upproj-mtp": BF16
+        + MLA
+        + MTP
+        + ["--recompute-granularity", "selective"]
+        + ["--recompute-modules", "core_attn", "mla_up_proj"],
         "mla-qdirect-selective": [f for f in MLA if f not in ("--q-lora-rank", "32")]
         + ["--recompute-granularity", "selective"],
         "oss-fp32": OSS,
@@ -143,6 +150,12 @@ LAYOUTS = {
         "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
         "mla-tp2-sp-bf16-mtp": BF16 + MLA + TP2_SP + MTP,
         "mla-tp2-nosp": [*MLA, "--tensor-model-parallel-size", "2"],
+        # under SP the up-projection checkpoint keeps the gathered k_pe
+        "mla-tp2-sp-bf16-upproj": BF16
+        + MLA
+        + TP2_SP
+        + ["--recompute-granularity", "selective"]
+        + ["--recompute-modules", "core_attn", "mla_up_proj"],
         "mtp-pp2-untied-distopt": [
             *MTP,
             *("--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),

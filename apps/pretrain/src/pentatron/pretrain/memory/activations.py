@@ -107,7 +107,7 @@ def _layer_terms(plan: MemoryPlan, layer: int, first: bool) -> ActivationTerms:
         core += 16 * s * cp
     else:
         att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
-    if c.position_embedding_type in ("rope", "yarn") and e != 4:
+    if c.position_embedding_type in ("rope", "yarn") and e != 4 and not _up_proj_recomputed(c):
         att += 4 * e * s * _pos_batch(plan, first) * c.rotary_dim  # cos/sin casts, q and k
     out.attention, out.core_attention = att, core
     ffn = c.moe_ffn_size if is_moe else c.ffn_hidden_size
@@ -227,6 +227,11 @@ def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, 
     att += e * sb_ * (r_kv + c.qk_pos_emb_head_dim)
     att += (4 + e * r_kv) * sb_ if norms else 0
     kv_up = e * sb * n * (c.qk_head_dim + c.v_head_dim)  # v is a view of it
+    if _up_proj_recomputed(c):
+        # the checkpoint's q, k, v are views of the discarded output: freed; it keeps its
+        # inputs (the latents, counted above; under SP the gathered k_pe `e s b d_pe`)
+        gathered_k_pe = e * sb * c.qk_pos_emb_head_dim if c.sequence_parallel else 0
+        return att + gathered_k_pe, e * sb * n * c.v_head_dim
     if c.recompute_granularity == "selective":
         core = 2 * e * sb * n * d_q + kv_up
     elif plan.device == "cpu":
@@ -243,6 +248,16 @@ def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, 
             + 4 * b * n * (-(-s // 32) * 32)
         )
     return att, core + e * sb * n * c.v_head_dim
+
+
+def _up_proj_recomputed(c) -> bool:
+    """MLA's up-projections and RoPE in an output-discarding checkpoint (selective
+    "mla_up_proj", with "core_attn": the plan refuses it alone)."""
+    return (
+        c.multi_latent_attention
+        and c.recompute_granularity == "selective"
+        and "mla_up_proj" in (c.recompute_modules or ())
+    )
 
 
 def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> int:
@@ -372,8 +387,8 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     out = ActivationTerms()
     mtp = bool(c.mtp_num_layers) and last  # the MTP stage gets the position ids too
     if c.position_embedding_type in ("rope", "yarn") and (
-        e == 4 or c.recompute_granularity == "full"
-    ):
+        e == 4 or c.recompute_granularity == "full" or _up_proj_recomputed(c)
+    ):  # the fp32 tables themselves are kept (an mla_up_proj checkpoint's inputs)
         out.rope = 2 * 4 * s * _pos_batch(plan, first or mtp) * c.rotary_dim
     if first:
         # tp = 1: the batch's int64 [4, b, s] storage; tp > 1: local ids and foreign mask,

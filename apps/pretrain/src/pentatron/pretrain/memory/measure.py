@@ -7,7 +7,8 @@ interleaved schedule, one optimizer step) on random tokens and returns, for this
   their storage, optimizer state (Adam m, v and `step`);
 - activation bytes saved for backward per micro-batch, from
   `torch.autograd.graph.saved_tensors_hooks` counting unique storages that are not
-  parameters, and their peak under the schedule: a micro-batch is live from its forward
+  parameters, sized when the micro-batch's forward ends (an output-discarding checkpoint
+  frees a saved output within the forward: it counts 0), and their peak under the schedule: a micro-batch is live from its forward
   until the first of its saved tensors is unpacked (its backward starts).
 
 Run inside an initialised process group (the test harness, or torchrun):
@@ -53,12 +54,23 @@ class _SavedTensorLedger:
     def __init__(self, param_storages: set[int]) -> None:
         self.param_storages = param_storages
         self.per_mb: list[dict[int, int]] = []
+        # the current forward's storages, sized when it ends: an output-discarding
+        # checkpoint (mla_up_proj, moe_act) frees a saved storage within the forward
+        self.pending: dict[int, Any] = {}
         self.current: int | None = None
         self.in_forward = False  # inside forward_step: an unpack there is a nested backward
         self.live: set[int] = set()
         self.peak, self.peak_count = 0, 0
 
+    def _finalize(self) -> None:
+        """Size the current forward's saved storages as they are now (a discarded one: 0)."""
+        if self.current is not None:
+            for ptr, st in self.pending.items():
+                self.per_mb[self.current][ptr] = st.nbytes()
+        self.pending.clear()
+
     def start_forward(self) -> None:
+        self._finalize()
         self._snapshot()
         self.per_mb.append({})
         self.current = len(self.per_mb) - 1
@@ -76,7 +88,7 @@ class _SavedTensorLedger:
             st = t.untyped_storage()
             ptr = st.data_ptr()
             if ptr not in self.param_storages and st.nbytes() > 0:
-                self.per_mb[self.current][ptr] = st.nbytes()
+                self.pending[ptr] = st
         return (self.current, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -85,6 +97,7 @@ class _SavedTensorLedger:
             # A forward and backward nested in the model's forward (e.g. a kernel probe on
             # first use): not the schedule's backward, so the micro-batch stays recorded.
             return t
+        self._finalize()
         self.current = None  # a backward is running: later packs are recomputation
         if mb in self.live:
             self._snapshot()  # loss_func's tensors were saved after forward_step returned
@@ -171,6 +184,7 @@ def measure(argv: list[str]) -> MeasuredMemory:
             step.train_step(
                 args, chunks, iters, forward_step, optimizer, pcfg, grid, args.num_microbatches
             )
+        ledger._finalize()  # a forward-only last stage has no unpack to end it
         static = _static_bytes(chunks, optimizer)
         return MeasuredMemory(
             rank=dist.get_rank(),

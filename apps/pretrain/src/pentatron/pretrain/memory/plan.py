@@ -52,14 +52,20 @@ class MemoryPlan:
                 "zero-padded V is not sized yet",
                 "size it at cp 1, or measure it with torchrun -m pentatron.pretrain.memory.measure",
             ),
-            (
-                "mla_up_proj" in (c.recompute_modules or ())
-                and c.recompute_granularity == "selective",
-                "--recompute-modules mla_up_proj: the output-discarding checkpoint is not "
-                "sized yet",
-                "size it without mla_up_proj (an upper bound), or measure it",
-            ),
         ]
+        modules = (
+            set(c.recompute_modules or ()) if c.recompute_granularity == "selective" else set()
+        )
+        unsized = sorted(modules - {"core_attn", "mla_up_proj"})
+        refused.append(
+            (
+                bool(unsized) or (bool(modules) and "core_attn" not in modules),
+                f"--recompute-modules {' '.join(unsized or sorted(modules))}: selective "
+                "recompute is sized for core_attn (with MLA, plus mla_up_proj) only",
+                "size it without selective recompute (an upper bound), or measure it with "
+                "torchrun -m pentatron.pretrain.memory.measure",
+            )
+        )
         for bad, what, fix in refused:
             if bad:
                 raise MemoryPlanError(f"{what}; fix: {fix}")
