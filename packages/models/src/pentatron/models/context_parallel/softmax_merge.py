@@ -186,7 +186,8 @@ def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, quadrants
         if out is None:  # the diagonal pair: every row gets its own key below
             out = q.new_zeros(q.shape, dtype=torch.float32)
             lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
-        out, lse = out.clone(), lse.clone()
+        else:  # the rows are merged in place: not into the caller's tensors
+            out, lse = out.clone(), lse.clone()
         for qs, ks, sub in parts:
             o, s = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, False, sub)
             out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
