@@ -1,13 +1,15 @@
-"""Child process of test_device_dry_run.py: play ranks of a layout on the fake GPU.
+"""Played in a process of its own for test_device_dry_run.py: ranks of a layout on the fake GPU.
 
-    python _dry_run.py LAYOUT RANKS PLANT SAVE_DIR   -> one JSON line on stdout
+    run(LAYOUT, RANKS, PLANT, SAVE_DIR, EXTRA)        # in a fresh process (the test's way)
+    python _dry_run.py LAYOUT RANKS PLANT SAVE_DIR    # by hand: one JSON line on stdout
 
 For each rank in RANKS (comma-separated), in turn: a fake world of the layout's size
 (`meta:fake` compute groups, `cpu:fake` host group), then the app's real `pretrain()` under
 `FakeDevice`: initialize, get_model (DDP chunks, distributed optimizer), the pipeline
 schedule's forward and backward of every micro-batch, the step's reductions, the optimizer
 step, a checkpoint save. PLANT re-introduces one defect the GPU run found (see PLANTS); the
-test expects each to fail here. The JSON line holds, per rank, the host reads per training
+test expects each to fail here, so the process must not outlive the call. The result holds,
+per rank, the host reads per training
 step and the GEMMs' operand dtypes, or the error that stopped the rank.
 """
 
@@ -308,23 +310,28 @@ class _NoDistDCP:
         return self._dcp.save(*args, no_dist=True, **kwargs)
 
 
-def main() -> int:
-    layout, ranks, plant, save_dir = sys.argv[1:5]
-    extra = sys.argv[5:]
+def run(layout: str, ranks: str, plant: str, save_dir: str, extra: list[str]) -> dict:
+    """Each of RANKS played in turn with PLANT planted; by rank, what `play` returned or
+    the error it raised (the test reads it)."""
     _plant(plant)
-    out = {}
+    out: dict[int, dict] = {}
     for rank in (int(r) for r in ranks.split(",")):
         try:
             out[rank] = play(layout, rank, f"{save_dir}/rank{rank}", extra)
-        except BaseException as exc:  # the test reads the error
+        except BaseException as exc:
             out[rank] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    print(json.dumps(out))
+    return out
+
+
+def main() -> int:
+    layout, ranks, plant, save_dir = sys.argv[1:5]
+    print(json.dumps(run(layout, ranks, plant, save_dir, sys.argv[5:])))
     return 0
 
 
 if __name__ == "__main__":
     code = main()
-    # The JSON line is out: skip the interpreter's teardown (about 0.9 s with torch loaded,
-    # once per test). Nothing of the fake world outlives the process.
+    # The JSON line is out: skip the interpreter's teardown (about 0.9 s with torch loaded).
+    # Nothing of the fake world outlives the process.
     sys.stdout.flush()
     os._exit(code)

@@ -1,7 +1,8 @@
 """The app's real training step on a fake GPU, on the CPU: device bugs fail here, not on a
 cluster.
 
-Each case runs `_dry_run.py` in a fresh process: the app's `pretrain()` (initialize,
+Each case runs `_dry_run.run` in a fresh process (forked from the test harness's server,
+with torch already imported): the app's `pretrain()` (initialize,
 get_model with DDP chunks and the distributed optimizer, the pipeline schedule, the step's
 reductions, the optimizer step, a checkpoint save) as chosen ranks of a fake world of 8
 (tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather; the
@@ -24,27 +25,20 @@ micro-batch; fp16's inverse loss scale made on the host); each must fail.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-CHILD = os.path.join(os.path.dirname(__file__), "_dry_run.py")
+from pentatron.parallel_state.testing import run_in_fresh_process
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _dry_run
 
 
 def dry_run(tmp_path, layout: str, ranks: str, plant: str = "none", *extra: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, CHILD, layout, ranks, plant, str(tmp_path), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {int(k): v for k, v in json.loads(lines[-1]).items()}
+    return run_in_fresh_process(_dry_run.run, layout, ranks, plant, str(tmp_path), list(extra))
 
 
 def _ok(result: dict) -> dict:

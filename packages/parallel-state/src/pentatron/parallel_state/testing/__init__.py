@@ -3,7 +3,8 @@
 `run_distributed(world_size, fn, *args)` uses a process-wide `PoolSet`; under pytest use the
 `distributed` fixture (plugin registered through the `pytest11` entry point).
 `fake_device`: one process playing any rank of a world on a fake GPU (`fake_world`,
-`FakeDevice`), for CPU tests of device discipline.
+`FakeDevice`), for CPU tests of device discipline. `run_in_fresh_process(fn, *args)`: one
+call in a new process forked from the ranks' forkserver, for a test that must own its process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .fake_device import DeviceDisciplineError, FakeDevice, fake_world
+from .fresh import run_in_fresh_process
 from .pool import PoolSet, RankError, RankPool, RankTimeoutError
 
 _DEFAULT_POOLS: PoolSet | None = None
@@ -43,4 +45,5 @@ __all__ = [
     "default_pools",
     "fake_world",
     "run_distributed",
+    "run_in_fresh_process",
 ]

@@ -93,6 +93,15 @@ def _resolve(path: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
+def _as_started_by_python() -> None:
+    """Undo what being a forkserver's child changed against a process that `python` or
+    torchrun started: multiprocessing's default start method, which the server's children
+    inherit as "forkserver". There, a process the call starts (a DataLoader's workers)
+    went to a second forkserver of the child's own, started on demand without torch
+    preloaded: ~1.4 s of start-up per worker instead of a fork."""
+    mp.set_start_method(None, force=True)  # the platform's default again, chosen on use
+
+
 def _after_call() -> None:
     """Leave no state behind for the next test on this rank: the app's clean shutdown,
     except for the default group, which the worker keeps for its next call."""
@@ -122,6 +131,7 @@ def _worker(
         PENTATRON_BACKEND="gloo",
     )
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    _as_started_by_python()
     import torch
     import torch.distributed as dist
 

@@ -1,0 +1,117 @@
+"""One call in a fresh process, forked from the harness's forkserver (torch imported).
+
+    value = run_in_fresh_process(play, "tp2-pp2-dp2", 0)
+
+For a test that must own the whole process: one that initialises its own default process
+group (a fake world, a backend under test), patches modules for good (a planted bug) or
+leaves state no later test may see. A `python script.py` subprocess gives the same
+isolation but imports torch, DTensor and DCP again each time (~2.5 s of CPU before the
+test's first line on these machines); a fork of the forkserver that serves the `distributed`
+fixture's ranks starts with them imported (`pool.PRELOAD`) and frozen out of gc's scans.
+Where the platform has no forkserver (Windows) the process is spawned.
+
+The process is never left running: it is joined (or killed) before the call returns or raises.
+The function travels by (source file, qualified name), as for the rank pools; arguments and
+the return value are pickled. The process runs with one intra-op thread and the given
+environment additions, and exits without the interpreter's teardown once it has answered.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from .pool import (
+    RankError,
+    RankTimeoutError,
+    _as_started_by_python,
+    _context,
+    _function_ref,
+    _resolve,
+)
+
+
+def run_in_fresh_process(
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`fn(*args, **kwargs)` in a new process; its return value.
+
+    Raises `RankError` with the process's traceback if `fn` raised or the process died
+    before answering (with its exit code), and `RankTimeoutError` if it did not answer
+    within `timeout` seconds (the process is killed first).
+    """
+    path, qualname = _function_ref(fn)
+    ctx = _context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_child,
+        args=(sender, path, qualname, args, kwargs, list(sys.path), dict(env or {})),
+        daemon=False,  # it may start processes of its own (the app's data workers, writers)
+        name=f"pentatron-fresh-{qualname}",
+    )
+    proc.start()
+    sender.close()  # the child holds the only writing end: EOF when it dies
+    try:
+        if not receiver.poll(timeout):
+            proc.kill()
+            proc.join(10)
+            raise RankTimeoutError(
+                f"{qualname} in a fresh process: no answer within {timeout:.0f} s; killed"
+            )
+        try:
+            ok, value = receiver.recv()
+        except EOFError:
+            proc.join(10)
+            raise RankError(
+                f"{qualname} in a fresh process: it died before answering "
+                f"(exit code {proc.exitcode})"
+            ) from None
+    finally:
+        receiver.close()
+    proc.join(10)
+    if proc.is_alive():  # answered but stuck in its exit: nothing of it is needed now
+        proc.kill()
+        proc.join(10)
+    if not ok:
+        raise RankError(f"{qualname} failed in a fresh process:\n{value.rstrip()}")
+    return value
+
+
+def _child(
+    sender: Any,
+    path: str,
+    qualname: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    sys_path: list[str],
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    _as_started_by_python()
+    gc.freeze()  # what the server imported stays for the process's life
+    import torch
+
+    torch.set_num_threads(1)  # beside the test process and any ranks, on a few cores
+    try:
+        value, ok = _resolve(path, qualname)(*args, **kwargs), True
+    except BaseException:
+        value, ok = traceback.format_exc(), False
+    try:
+        sender.send((ok, value))
+    except Exception:
+        sender.send((False, "the result could not be sent back:\n" + traceback.format_exc()))
+    sender.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Answered: skip the interpreter's teardown (~1 s of CPU with torch loaded); whatever
+    # the call left behind (process groups, patched modules) ends with the process.
+    os._exit(0)
