@@ -333,6 +333,21 @@ def check_profile(ctx: Ctx) -> Outcome:
     return script_outcome(res, describe)
 
 
+def check_variants(ctx: Ctx) -> Outcome:
+    tiny = ["--tiny"] if ctx.smoke else []
+    res = ctx.script("attention-variants", "attention_variants.py", "--device", ctx.device, *tiny)
+
+    def describe(r: dict) -> str:
+        parts = [f"causal {r['causal']['ms']:.2f} ms"]
+        for name in ("sinks", "window", "sinks+window"):
+            v = r[name]
+            kernel = f" {v['backend']}" if "backend" in v else ""
+            parts.append(f"{name} {v['vs_causal']:.2f}x{kernel}" + ("" if v["ok"] else " FAIL"))
+        return f"{r['dtype']} fwd+bwd: " + ", ".join(parts)
+
+    return script_outcome(res, describe)
+
+
 CHECKS = [
     Check("app", 35, 70, 150, check_app),
     Check("app-compile", 65, 120, 300, check_app_compile),
@@ -345,4 +360,5 @@ CHECKS = [
     Check("examples", 45, 90, 400, check_examples),
     Check("wgrad", 5, 25, 60, check_wgrad),
     Check("profile", 20, 60, 150, check_profile),
+    Check("variants", 10, 40, 60, check_variants),
 ]

@@ -35,6 +35,9 @@ Checks (priority order; planned seconds on one H200 / cap, printed at the start)
   wgrad        wgrad.py: accumulate_weight_grad (fp64 reference, 2 calls, no fp32 SIMT GEMM)
   profile      profile_app.py: top 15 kernels of the app at the `app` shape, shares of fp32
                SIMT GEMMs and NCCL
+  variants     attention_variants.py: gpt-oss's attention (learnable sinks, a 128-key
+               window, both) at gpt-oss-20b's heads, s 4096, bf16: fp32 reference at s 512,
+               SDPA kernel (not math), fwd+bwd ms against plain causal SDPA
 The table ends with app / plain tokens/s (goal >= 0.95) and app-compile MFU (goal >= 50%).
 
 Writes three files to DIR: checks.log (every step's full output, one section each),
