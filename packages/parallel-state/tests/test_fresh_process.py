@@ -41,9 +41,21 @@ def _die(code):
     os._exit(code)
 
 
-def _sleep(seconds):
+def _sleep(seconds, pid_file=None):
+    if pid_file:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
     time.sleep(seconds)
     return "woke"
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting for its parent, the server)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
 
 
 def _big(n):
@@ -99,11 +111,14 @@ def test_a_death_names_the_exit_code():
         run_in_fresh_process(_die, 7)
 
 
-def test_past_the_timeout_it_is_killed():
+def test_past_the_timeout_it_is_killed(tmp_path):
     start = time.monotonic()
+    pid_file = tmp_path / "pid"
     with pytest.raises(RankTimeoutError, match="no answer within 1 s; killed"):
-        run_in_fresh_process(_sleep, 60, timeout=1.0)
+        run_in_fresh_process(_sleep, 60, str(pid_file), timeout=1.0)
     assert time.monotonic() - start < 30  # not the sleep's 60 s
+    if os.path.isdir("/proc"):
+        assert _gone(int(pid_file.read_text()))
 
 
 def test_a_large_result_comes_back_whole():

@@ -59,30 +59,35 @@ def run_in_fresh_process(
     )
     proc.start()
     sender.close()  # the child holds the only writing end: EOF when it dies
+    answered = False
     try:
-        if not receiver.poll(timeout):
-            proc.kill()
-            proc.join(10)
-            raise RankTimeoutError(
-                f"{qualname} in a fresh process: no answer within {timeout:.0f} s; killed"
-            )
-        try:
-            ok, value = receiver.recv()
-        except EOFError:
-            proc.join(10)
-            raise RankError(
-                f"{qualname} in a fresh process: it died before answering "
-                f"(exit code {proc.exitcode})"
-            ) from None
+        ok, value = _answer(receiver, proc, qualname, timeout)
+        answered = True
     finally:
         receiver.close()
-    proc.join(10)
-    if proc.is_alive():  # answered but stuck in its exit: nothing of it is needed now
-        proc.kill()
+        if answered:
+            proc.join(10)  # it exits right after answering
+        if proc.is_alive():  # no answer (timeout, an interrupt here) or stuck in its exit:
+            proc.kill()  # a non-daemon child left running would hold up the caller's exit
         proc.join(10)
     if not ok:
         raise RankError(f"{qualname} failed in a fresh process:\n{value.rstrip()}")
     return value
+
+
+def _answer(receiver: Any, proc: Any, qualname: str, timeout: float) -> tuple[bool, Any]:
+    """The child's (ok, value), or the error saying why there is none."""
+    if not receiver.poll(timeout):
+        raise RankTimeoutError(
+            f"{qualname} in a fresh process: no answer within {timeout:.0f} s; killed"
+        )
+    try:
+        return receiver.recv()
+    except EOFError:  # its end of the pipe closed with nothing sent: it died
+        proc.join(10)
+        raise RankError(
+            f"{qualname} in a fresh process: it died before answering (exit code {proc.exitcode})"
+        ) from None
 
 
 def _child(
