@@ -9,8 +9,8 @@ For each rank in RANKS (comma-separated), in turn: a fake world of the layout's 
 schedule's forward and backward of every micro-batch, the step's reductions, the optimizer
 step, a checkpoint save. PLANT re-introduces one defect the GPU run found (see PLANTS); the
 test expects each to fail here, so the process must not outlive the call. The result holds,
-per rank, the host reads per training
-step and the GEMMs' operand dtypes, or the error that stopped the rank.
+per rank, the host reads per training step and the GEMMs' operand dtypes, or the error that
+stopped the rank.
 """
 
 from __future__ import annotations

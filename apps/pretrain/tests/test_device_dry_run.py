@@ -2,9 +2,9 @@
 cluster.
 
 Each case runs `_dry_run.run` in a fresh process (forked from the test harness's server,
-with torch already imported): the app's `pretrain()` (initialize,
-get_model with DDP chunks and the distributed optimizer, the pipeline schedule, the step's
-reductions, the optimizer step, a checkpoint save) as chosen ranks of a fake world of 8
+with torch already imported): the app's `pretrain()` (initialize, get_model with DDP chunks
+and the distributed optimizer, the pipeline schedule, the step's reductions, the optimizer
+step, a checkpoint save) as chosen ranks of a fake world of 8
 (tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather; the
 same under ZBV's V with its second p2p group and the loss moved to the last rank) or 4
 (MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM; context parallelism: cp2 x tp2, the

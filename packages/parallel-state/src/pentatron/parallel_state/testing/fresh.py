@@ -18,21 +18,13 @@ environment additions, and exits without the interpreter's teardown once it has 
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .pool import (
-    RankError,
-    RankTimeoutError,
-    _as_started_by_python,
-    _context,
-    _function_ref,
-    _resolve,
-)
+from .pool import RankError, RankTimeoutError, _call, _context, _function_ref, _start_child
 
 
 def run_in_fresh_process(
@@ -100,16 +92,8 @@ def _child(
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    _as_started_by_python()
-    gc.freeze()  # what the server imported stays for the process's life
-    import torch
-
-    torch.set_num_threads(1)  # beside the test process and any ranks, on a few cores
-    try:
-        value, ok = _resolve(path, qualname)(*args, **kwargs), True
-    except BaseException:
-        value, ok = traceback.format_exc(), False
+    _start_child(sys_path)
+    ok, value = _call(path, qualname, args, kwargs)
     try:
         sender.send((ok, value))
     except Exception:

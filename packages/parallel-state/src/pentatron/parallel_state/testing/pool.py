@@ -93,13 +93,30 @@ def _resolve(path: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _as_started_by_python() -> None:
-    """Undo what being a forkserver's child changed against a process that `python` or
-    torchrun started: multiprocessing's default start method, which the server's children
-    inherit as "forkserver". There, a process the call starts (a DataLoader's workers)
-    went to a second forkserver of the child's own, started on demand without torch
-    preloaded: ~1.4 s of start-up per worker instead of a fork."""
+def _start_child(sys_path: list[str]) -> None:
+    """What every process the harness forks (a rank, a fresh process) does first: the
+    caller's `sys.path`; multiprocessing's default start method as a process that `python`
+    or torchrun started has it (the server's children inherit "forkserver": a process the
+    call started, such as a DataLoader's worker, went to a second server of its own,
+    started on demand without torch, ~1.4 s per worker instead of a fork); what start-up
+    imported frozen out of every later gc scan (a final shutdown's collections scanned
+    torch's whole heap, ~0.4 s a rank); one intra-op thread (ranks share a few cores)."""
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
     mp.set_start_method(None, force=True)  # the platform's default again, chosen on use
+    import torch
+
+    gc.freeze()
+    torch.set_num_threads(1)
+
+
+def _call(
+    path: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
+    """(True, what the function returned) or (False, the traceback of what it raised)."""
+    try:
+        return True, _resolve(path, qualname)(*args, **kwargs)
+    except BaseException:
+        return False, traceback.format_exc()
 
 
 def _after_call() -> None:
@@ -130,15 +147,9 @@ def _worker(
         MASTER_PORT=str(port),
         PENTATRON_BACKEND="gloo",
     )
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    _as_started_by_python()
-    import torch
+    _start_child(sys_path)
     import torch.distributed as dist
 
-    # What start-up imported stays for the rank's life: out of every later gc scan (the
-    # final shutdown's collections scanned torch's whole heap, ~0.4 s a rank).
-    gc.freeze()
-    torch.set_num_threads(1)  # N ranks share 2 cores: avoid oversubscription
     store = dist.TCPStore(
         "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
     )
@@ -151,11 +162,7 @@ def _worker(
         if task is None:
             break
         call_id, path, qualname, args, kwargs = task
-        try:
-            value = _resolve(path, qualname)(*args, **kwargs)
-            ok = True
-        except BaseException:
-            value, ok = traceback.format_exc(), False
+        ok, value = _call(path, qualname, args, kwargs)
         try:
             _after_call()
         except BaseException:
