@@ -348,6 +348,24 @@ def check_variants(ctx: Ctx) -> Outcome:
     return script_outcome(res, describe)
 
 
+def check_cp_blocks(ctx: Ctx) -> Outcome:
+    tiny = ["--tiny"] if ctx.smoke else []
+    res = ctx.script("cp-blocks", "cp_blocks.py", "--device", ctx.device, *tiny)
+
+    def describe(r: dict) -> str:
+        fused, maths = r["fused"], r["maths"]
+        kernel = f" ({fused['backend']})" if "backend" in fused else ""
+        peak = ""
+        if "peak_mib" in fused:
+            peak = f", peak {fused['peak_mib']:.0f} / {maths['peak_mib']:.0f} MiB"
+        worst = max(fused["rel_errors"].values())
+        return (f"{r['dtype']} 3 pairs fwd+bwd: fused{kernel} {fused['ms']:.1f} ms / maths "
+                f"{maths['ms']:.1f} ms = {r['fused_over_maths']:.2f}{peak}; max rel error "
+                f"{worst:.1e}" + ("" if fused["ok"] and maths["ok"] else " FAIL"))  # fmt: skip
+
+    return script_outcome(res, describe)
+
+
 CHECKS = [
     Check("app", 35, 70, 150, check_app),
     Check("app-compile", 65, 120, 300, check_app_compile),
@@ -359,6 +377,7 @@ CHECKS = [
     Check("dp-overlap", 20, 50, 200, check_dp_overlap),
     Check("examples", 45, 90, 400, check_examples),
     Check("wgrad", 5, 25, 60, check_wgrad),
+    Check("cp-blocks", 5, 25, 60, check_cp_blocks),
     Check("profile", 20, 60, 150, check_profile),
     Check("variants", 10, 40, 60, check_variants),
 ]

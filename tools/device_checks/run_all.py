@@ -33,6 +33,9 @@ Checks (priority order; planned seconds on one H200 / cap, printed at the start)
                embedded corpus, checkpoint saved), llama3-8b-like.yaml and
                mixtral-8x7b-like.yaml scaled to one GPU: loss down
   wgrad        wgrad.py: accumulate_weight_grad (fp64 reference, 2 calls, no fp32 SIMT GEMM)
+  cp-blocks    cp_blocks.py: context parallelism's three K/V pairs of one rank (2L 4096,
+               GQA 32/8, d 128, bf16) fused (flash with its lse) vs the unfused maths:
+               accuracy against fp32, kernel family, time ratio, peak memory
   profile      profile_app.py: top 15 kernels of the app at the `app` shape, shares of fp32
                SIMT GEMMs and NCCL
   variants     attention_variants.py: gpt-oss's attention (learnable sinks, a 128-key

@@ -5,9 +5,10 @@ GPU time is short, so what can go wrong before a GPU is reached is checked here:
   argument rules (`validate_args` as on a CUDA machine), and the `app` run's model is the
   plain loop's (`benchmarks/gpu_mfu.py`) field for field, with no vocabulary padding;
 - the kernel-name rules, the metrics summary and the example-config rewrite;
-- `run_all.py --smoke --only app,sdpa,wgrad,variants` end to end in a subprocess (tiny app
-  run on CPU, a CUDA-only check skipped, script checks, gpt-oss's attention against its
-  fp32 reference): the table, results.json, few files;
+- `run_all.py --smoke --only app,sdpa,wgrad,cp-blocks,variants` end to end in a subprocess
+  (tiny app run on CPU, a CUDA-only check skipped, script checks, cp's fused blocks against
+  the maths, gpt-oss's attention against its fp32 reference): the table, results.json,
+  few files;
 - a step past its timeout is killed with the processes it started.
 `tools/` lives in the repository, not in the wheel's test copy: marked `checkout` (run by
 `nox -s "checkout(pretrain)"`, deselected in the standalone session).
@@ -165,7 +166,7 @@ def test_smoke_run_end_to_end(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(TOOLS / "run_all.py"), "--out", str(out), "--smoke",
-         "--only", "app,sdpa,wgrad,variants"],
+         "--only", "app,sdpa,wgrad,cp-blocks,variants"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     took = time.monotonic() - start
@@ -175,13 +176,18 @@ def test_smoke_run_end_to_end(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["checks.log", "results.json", "summary.md"]
     report = json.loads((out / "results.json").read_text())
     checks = report["checks"]
-    assert list(checks) == ["app", "sdpa", "wgrad", "variants"]
+    assert list(checks) == ["app", "sdpa", "wgrad", "cp-blocks", "variants"]
     app = checks["app"]
     assert app["status"] == "OK", app
     assert app["figures"]["tokens_per_s"] > 0 and app["figures"]["loss_down"]
     assert app["figures"]["iterations"] == 6 and app["figures"]["timed_iterations"] == 4
     assert checks["sdpa"] == {**checks["sdpa"], "status": "SKIP", "summary": "needs CUDA"}
     assert checks["wgrad"]["status"] in ("OK", "N/A"), checks["wgrad"]
+    cp = checks["cp-blocks"]
+    assert cp["status"] == "OK" and cp["summary"].startswith("float32 3 pairs fwd+bwd: "), cp
+    for path in ("fused", "maths"):  # the fused kernels within fp32's 1e-5 of the maths
+        assert cp["figures"][path]["ok"] and len(cp["figures"][path]["rel_errors"]) == 9
+        assert max(cp["figures"][path]["rel_errors"].values()) <= 1e-5
     variants = checks["variants"]
     assert variants["status"] == "OK", variants
     assert variants["summary"].startswith("float32 fwd+bwd: causal "), variants

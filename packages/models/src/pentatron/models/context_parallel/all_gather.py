@@ -92,7 +92,9 @@ class AllGatherAttention(torch.autograd.Function):
                 j, ctx.cp_rank, kv.size(0), q.size(0) // 2, ctx.window, q.device
             )
             case = pair_case(j, ctx.cp_rank)
-            grads = pair_grads(case, qb, kv[j, 0], kv[j, 1], lse, dout, delta, ctx.scale, quads)
+            grads = pair_grads(
+                case, qb, kv[j, 0], kv[j, 1], out, lse, dout, delta, ctx.scale, quads
+            )
             if grads is None:  # a windowed pair no query sees
                 continue
             dq_p, dkv_p, qrows, kvrows = grads

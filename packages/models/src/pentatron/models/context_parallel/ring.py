@@ -100,7 +100,7 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=No
         src = (ring.rank - step) % ring.size
         case = pair_case(src, ring.rank)
         quads = _quadrants(src, q, ring, window)
-        grads = pair_grads(case, q, kv[0], kv[1], lse, dout, delta, scale, quads)
+        grads = pair_grads(case, q, kv[0], kv[1], out, lse, dout, delta, scale, quads)
         if grads is not None:  # None: a windowed block no query sees
             dq_p, dkv_p, qrows, kvrows = grads
             dq[:, :, qrows] += dq_p

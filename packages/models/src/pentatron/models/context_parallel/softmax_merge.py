@@ -9,7 +9,9 @@ compute dtype (bf16 / fp16 in a 16-bit model: tensor cores on a GPU, through bmm
 result, `_mm`) and sum in fp32; scores, softmax, lse, the merge and the output accumulator
 are fp32. Where the device has no such GEMM (the CPU) the operands are widened to fp32:
 products of 16-bit values are exact in fp32, so both sum the same products. An fp32 model
-computes in fp32 throughout.
+computes in fp32 throughout. That is the unfused maths; a block without a window mask runs
+a fused flash kernel instead where the device and dtype have one (`block_kernels`), and
+the maths is then the reference it is tested against (`fused=False`).
 
 gpt-oss's variants:
 - a window of `left` keys back: a pair is four chunk-by-chunk quadrants (queries of chunk
@@ -31,6 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .block_kernels import _fold, _repeat, fused_backward, fused_forward, fused_kernel
 
 _LOW = (torch.bfloat16, torch.float16)
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
@@ -61,18 +65,6 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float())
 
 
-def _repeat(x: torch.Tensor, rep: int) -> torch.Tensor:
-    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
-
-
-def _fold(dx: torch.Tensor, rep: int) -> torch.Tensor:
-    """`[b, g*rep, s, d]` -> `[b, g, s, d]`: sum the grads of the repeated heads."""
-    if rep == 1:
-        return dx
-    b, n, s, d = dx.shape
-    return dx.view(b, n // rep, rep, s, d).sum(2)
-
-
 def _scores(q, k, scale: float, causal: bool, keep: torch.Tensor | None = None) -> torch.Tensor:
     """q k^T scale (fp32), masked causally (the corner bottom-right) and / or by `keep`
     `[sq, sk]`."""
@@ -93,9 +85,14 @@ def block_forward(
     scale: float,
     causal: bool,
     keep: torch.Tensor | None = None,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out `[b, n, sq, d]` fp32, lse `[b, n, sq]` fp32) of softmax(q k^T scale) v; a
-    row `keep` leaves no key gets lse -inf and output 0."""
+    row `keep` leaves no key gets lse -inf and output 0. Without `keep`, a fused kernel
+    where the device and dtype have one (`block_kernels`; `fused=False`: the maths)."""
+    kernel = fused_kernel(q, k, v) if fused and keep is None else None
+    if kernel is not None:
+        return fused_forward(kernel, q, k, v, scale, causal)
     rep = q.size(1) // k.size(1)
     k, v = _repeat(k.to(q.dtype), rep), _repeat(v.to(q.dtype), rep)
     s = _scores(q, k, scale, causal, keep)
@@ -117,15 +114,30 @@ def merge(
 
 
 def block_backward(
-    q, k, v, lse, dout, delta, scale: float, causal: bool, keep: torch.Tensor | None = None
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    delta,
+    scale: float,
+    causal: bool,
+    keep: torch.Tensor | None = None,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grads of one block from the FINAL lse and `delta = sum(dout * out, -1)` `[b, n, sq]`.
+    """Grads of one block from the FINAL out `[b, n, sq, d]`, lse and
+    `delta = sum(dout * out, -1)` `[b, n, sq]` (this block's query rows).
 
     p = exp(s - lse) is the block's share of the full softmax, so
     dv = p^T dout, ds = p (dout v^T - delta), dq = ds k scale, dk = ds^T q scale.
-    The GEMMs take p, ds and dout in q's dtype (see the module docstring).
+    The GEMMs take p, ds and dout in q's dtype (see the module docstring). A fused kernel
+    as in `block_forward` (it forms delta from out itself).
     -> (dq `[b, n, sq, d]`, dk, dv `[b, g, sk, d]`), fp32.
     """
+    kernel = fused_kernel(q, k, v) if fused and keep is None else None
+    if kernel is not None:
+        return fused_backward(kernel, q, k, v, out, lse, dout, scale, causal)
     rep, low = q.size(1) // k.size(1), q.dtype
     kr, vr, dout = _repeat(k.to(low), rep), _repeat(v.to(low), rep), dout.to(low)
     p = torch.exp(_scores(q, kr, scale, causal, keep) - lse[..., None])
@@ -172,11 +184,14 @@ def window_quadrants(
     return parts
 
 
-def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, quadrants=None):
+def pair_forward(
+    case: str, q, k, v, scale: float, out=None, lse=None, quadrants=None, fused: bool = True
+):
     """Fold the K/V pair k/v `[b, g, 2L, d]` into (out, lse) of q `[b, n, 2L, d]`.
 
     "diag" starts the result (out/lse None); the others merge into it. With a window's
     `quadrants` (`window_quadrants`) only those are scored; none: the pair is skipped.
+    `fused=False`: the unfused maths for every block.
     """
     half = q.size(2) // 2
     if quadrants is not None:
@@ -193,18 +208,20 @@ def pair_forward(case: str, q, k, v, scale: float, out=None, lse=None, quadrants
             out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
         return out, lse
     if case == "diag":
-        return block_forward(q, k, v, scale, causal=True)
+        return block_forward(q, k, v, scale, True, fused=fused)
     if case == "lower":
-        o, s = block_forward(q, k[:, :, :half], v[:, :, :half], scale, False)
+        o, s = block_forward(q, k[:, :, :half], v[:, :, :half], scale, False, fused=fused)
         return merge(out, lse, o, s)
-    o, s = block_forward(q[:, :, half:], k, v, scale, False)
+    o, s = block_forward(q[:, :, half:], k, v, scale, False, fused=fused)
     o2, s2 = merge(out[:, :, half:], lse[:, :, half:], o, s)
     return torch.cat([out[:, :, :half], o2], 2), torch.cat([lse[:, :, :half], s2], 2)
 
 
-def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, quadrants=None):
-    """(dq part, dK|dV part `[2, b, g, ., d]`, q rows, kv rows) of one K/V pair; None for
-    a windowed pair that sees nothing."""
+def pair_grads(
+    case: str, q, k, v, out, lse, dout, delta, scale: float, quadrants=None, fused: bool = True
+):
+    """(dq part, dK|dV part `[2, b, g, ., d]`, q rows, kv rows) of one K/V pair, from the
+    final out and lse; None for a windowed pair that sees nothing."""
     half = q.size(2) // 2
     if quadrants is not None:
         parts = quadrants
@@ -217,6 +234,7 @@ def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, quadrants=Non
                 q[:, :, qs],
                 k[:, :, ks],
                 v[:, :, ks],
+                out[:, :, qs],
                 lse[:, :, qs],
                 dout[:, :, qs],
                 delta[:, :, qs],
@@ -229,15 +247,24 @@ def pair_grads(case: str, q, k, v, lse, dout, delta, scale: float, quadrants=Non
             dkv[1, :, :, ks] += dv_p
         return dq, dkv, slice(None), slice(None)
     if case == "diag":
-        dq, dk, dv = block_backward(q, k, v, lse, dout, delta, scale, True)
+        dq, dk, dv = block_backward(q, k, v, out, lse, dout, delta, scale, True, fused=fused)
         return dq, torch.stack([dk, dv]), slice(None), slice(None)
     if case == "lower":
         kh, vh = k[:, :, :half], v[:, :, :half]
-        dq, dk, dv = block_backward(q, kh, vh, lse, dout, delta, scale, False)
+        dq, dk, dv = block_backward(q, kh, vh, out, lse, dout, delta, scale, False, fused=fused)
         return dq, torch.stack([dk, dv]), slice(None), slice(0, half)
     r = slice(half, None)
     dq, dk, dv = block_backward(
-        q[:, :, r], k, v, lse[:, :, r], dout[:, :, r], delta[:, :, r], scale, False
+        q[:, :, r],
+        k,
+        v,
+        out[:, :, r],
+        lse[:, :, r],
+        dout[:, :, r],
+        delta[:, :, r],
+        scale,
+        False,
+        fused=fused,
     )
     return dq, torch.stack([dk, dv]), r, slice(None)
 
