@@ -265,6 +265,36 @@ class _StepReads:
         return counted
 
 
+class _CpKernels:
+    """Counts context parallelism's fused block kernels by name ("flash_cuda fwd", ...)."""
+
+    def __init__(self) -> None:
+        from pentatron.models.context_parallel import softmax_merge
+
+        self.module, self.calls = softmax_merge, {}
+        self.real = (softmax_merge.fused_forward, softmax_merge.fused_backward)
+
+    def __enter__(self) -> _CpKernels:
+        fwd, bwd = self.real
+
+        def counted(fn, what):
+            def call(kernel, *args, **kwargs):
+                key = f"{kernel} {what}"
+                self.calls[key] = self.calls.get(key, 0) + 1
+                return fn(kernel, *args, **kwargs)
+
+            return call
+
+        self.module.fused_forward, self.module.fused_backward = (
+            counted(fwd, "fwd"),
+            counted(bwd, "bwd"),
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.fused_forward, self.module.fused_backward = self.real
+
+
 def play(layout: str, rank: int, save_dir: str, extra: list[str]) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -282,7 +312,7 @@ def play(layout: str, rank: int, save_dir: str, extra: list[str]) -> dict:
     # DCP's cross-rank planning exchanges pickled objects, which a fake group cannot carry:
     # each fake rank plans its own files (no_dist). Writer and state dict are the real ones.
     save_module.dcp = _NoDistDCP(dcp)
-    with fake_world(rank, world), FakeDevice(compute_dtype=dtype) as device:
+    with fake_world(rank, world), FakeDevice(compute_dtype=dtype) as device, _CpKernels() as cp:
         args = validate_args(parse_args(argv), world)
         reads, original = _StepReads(device), loop.train_step
         loop.train_step = reads.wrap(original)
@@ -295,6 +325,7 @@ def play(layout: str, rank: int, save_dir: str, extra: list[str]) -> dict:
         "reads_per_step": reads.per_step,
         "gemm_dtypes": sorted({str(d) for g in device.gemms for d in g.dtypes}),
         "gemms": len(device.gemms),
+        "cp_kernels": cp.calls,
     }
 
 

@@ -88,9 +88,10 @@ def test_moe_step_runs_on_the_fake_gpu(tmp_path):
 @pytest.mark.parametrize("kind", ["p2p", "all_gather"])
 def test_context_parallel_step_runs_on_the_fake_gpu(tmp_path, kind):
     """cp2 x tp2 (SP, ZeRO-1) with gpt-oss's sinks and windows: the ring's sends (or the
-    all-gather and reduce-scatter of K|V), the blockwise attention's GEMMs on bf16 operands
+    all-gather and reduce-scatter of K|V), the windowed blocks' GEMMs on bf16 operands
     with fp32 sums (models before 0.7.0 widened q, k, v to fp32: CUDA cores, caught here),
-    the windows' masks made on the device; only the step's own host reads."""
+    the windows' masks made on the device, the other layers' blocks through the CUDA flash
+    kernel's calls (models 0.7.1); only the step's own host reads."""
     gpt_oss = ["--softmax-type", "learnable", "--window-size", "7,0"]
     gpt_oss += ["--window-attn-skip-freq", "2", "--transformer-impl", "local"]
     result = _ok(dry_run(tmp_path, "cp2-tp2", "0,3", "none", "--cp-comm-type", kind, *gpt_oss))
@@ -98,6 +99,10 @@ def test_context_parallel_step_runs_on_the_fake_gpu(tmp_path, kind):
         assert r["iterations"] == 2
         assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
         assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
+        # the unwindowed layers' blocks take CUDA's flash kernel (its meta kernels here):
+        # 2 layers x 2 steps x 4 micro-batches (global batch 8 of 2, dp 1) x (cp = 2)
+        # pairs, forward and backward
+        assert r["cp_kernels"] == {"flash_cuda fwd": 32, "flash_cuda bwd": 32}, (rank, r)
 
 
 def test_mla_step_runs_on_the_fake_gpu(tmp_path):

@@ -10,7 +10,7 @@
 - On the CPU the causal blocks run ATen's flash kernel (its calls counted by a dispatch
   mode) and no tensor as large as a block's [sq, sk] scores is created; windowed blocks
   (a `keep` mask) and fp64 take the maths, and so would a value head dim unlike the
-  query's (MLA) or a device without a kernel (meta).
+  query's (MLA); bf16 on meta (the app's fake GPU) takes the CUDA kernel.
 - The CUDA kernel's calls (flash attention 2, k/v repeated to the query heads) bind, and
   their results have the expected shapes and dtypes, on meta tensors (no GPU here).
 - Planted: a block backward given its own (block-local) out and lse instead of the final
@@ -173,7 +173,9 @@ def test_windows_fp64_and_mla_dims_take_the_maths():
     assert bk.fused_kernel(q.double(), k.double(), v.double()) is None
     k_wide = torch.randn(B, G, 2 * L, 2 * D)  # MLA: q/k head dim unlike v's
     assert bk.fused_kernel(torch.randn(B, N, 2 * L, 2 * D), k_wide, v) is None
-    assert bk.fused_kernel(q.to("meta"), k.to("meta"), v.to("meta")) is None
+    assert bk.fused_kernel(q.to("meta"), k.to("meta"), v.to("meta")) is None  # fp32
+    meta = [x.to("meta", torch.bfloat16) for x in (q, k, v)]  # the dry run's fake GPU
+    assert bk.fused_kernel(*meta) == "flash_cuda"
     keep = torch.ones(2 * L, 2 * L, dtype=torch.bool).tril()
     with _Ops() as ops:
         sm.block_forward(q, k, v, SCALE, False, keep)

@@ -15,9 +15,10 @@ fp32, per block and head). torch's own context parallelism
   repeated to the query heads and their grads summed back (the operator's grouped-head
   support is not assumed).
 
-Neither computes a block masked by a window (gpt-oss's: the callers pass `keep`), a value
-head dim unlike the query's (MLA), fp64, or another device (meta, in the device dry run):
-those take the unfused maths, which is also the reference the fused path is tested
+On the meta device (the app's fake-GPU dry run) the CUDA choice is made, and its calls
+run on ATen's meta kernels. Neither kernel computes a block masked by a window (gpt-oss's:
+the callers pass `keep`), a value head dim unlike the query's (MLA), fp64, or another
+device: those take the unfused maths, which is also the reference the fused path is tested
 against. Precision: the kernels sum in fp32 and return a 16-bit model's block output and
 grads in its dtype, where the maths keeps them in fp32 until the merge (the rounding of
 one block result, as in Transformer Engine's and torch's cp attention).
@@ -49,8 +50,10 @@ def fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | Non
         return None
     if q.device.type == "cpu" and q.dtype in _CPU:
         return "flash_cpu"
-    if q.device.type == "cuda" and q.dtype in _CUDA and d % 8 == 0 and d <= 256:
-        return "flash_cuda" if _sm80(q.device) else None
+    if q.device.type in ("cuda", "meta") and q.dtype in _CUDA and d % 8 == 0 and d <= 256:
+        # meta stands for the GPU in the app's fake-device dry run: the CUDA operators
+        # have meta kernels, so their calls run there with the app's real shapes
+        return "flash_cuda" if q.device.type == "meta" or _sm80(q.device) else None
     return None
 
 
