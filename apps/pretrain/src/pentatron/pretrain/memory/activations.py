@@ -294,9 +294,10 @@ def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> int:
 def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
     """Context-parallel attention over this rank's s/cp tokens (sb = s/cp * b):
     - p2p (ring) and all_gather: the autograd function keeps q, local k, v (as without
-      cp: the QKV output and RoPE's q, k copies), its fp32 merged output `4 sb nq d` and
-      fp32 log-sum-exp `4 b nq s/cp`; linear_proj keeps its own contiguous copy of the
-      output `e sb nq d`. K/V of other ranks are re-received in backward, not kept;
+      cp: the QKV output and RoPE's q, k copies), its output as it returns it `e sb nq d`
+      (models >= 0.7.1; the fp32 merge before) and fp32 log-sum-exp `4 b nq s/cp`;
+      linear_proj keeps its own contiguous copy of the output `e sb nq d`. K/V of other
+      ranks are re-received in backward, not kept;
     - a2a (Ulysses): q, k, v are exchanged to all s and nq/cp heads and re-ordered, so
       RoPE's outputs and the QKV output are not kept; SDPA keeps q, k, v (with GQA k, v
       at ng/cp heads, repeated to nq/cp for heads over 256 dims and fp32 on CUDA), its
@@ -312,7 +313,7 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
         core = e * sb * (2 * nq + 2 * kv) * d + lse + 16 * sb // b * cp  # q, k, v, out
         return 0, core + e * sb * nq * d
     att = e * sb * (nq + 2 * ng) * d + (e * sb * (nq + ng) * d if rope else 0)
-    return att, 4 * sb * nq * d + lse + e * sb * nq * d
+    return att, 2 * e * sb * nq * d + lse
 
 
 def _routed_rows(plan: MemoryPlan, tokens: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from pentatron.parallel_state import comm
 
 from .softmax_merge import (
+    _delta,
     add_sinks,
     pair_case,
     pair_forward,
@@ -75,16 +76,17 @@ class AllGatherAttention(torch.autograd.Function):
             out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse, quads)
         assert out is not None and lse is not None, "_order yields the own rank's pair first"
         out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)  # saved as returned: the fp32 merge is not kept
         ctx.save_for_backward(q, k, v, out, lse, sinks)  # all [s/cp]: not the gathered kv
         ctx.scale, ctx.group, ctx.cp_rank, ctx.window = scale, group, cp_rank, window
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         kv = _gather_kv(k, v, ctx.group)  # recompute the gather, not saved
         qb = q.permute(1, 2, 0, 3)
-        delta = (dout.float() * out).sum(-1)  # dout stays in its dtype for the GEMMs
+        delta = _delta(dout, out)  # dout stays in its dtype for the GEMMs
         dq = torch.zeros_like(qb, dtype=torch.float32)
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         for j in range(kv.size(0)):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from pentatron.parallel_state import comm
 
 from .softmax_merge import (
+    _delta,
     add_sinks,
     pair_case,
     pair_forward,
@@ -87,7 +88,7 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=No
     the accumulator sent at step i is waited for only when step i + 1 adds to it, so it
     overlaps the next block's computation too.
     """
-    delta = (dout.float() * out).sum(-1)  # dout stays in its dtype for the GEMMs
+    delta = _delta(dout, out)  # dout stays in its dtype for the GEMMs
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
     own = torch.zeros_like(kv, dtype=torch.float32)
@@ -132,9 +133,10 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         out, lse = _ring_forward(q, k, v, scale, ring, window)
         out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)  # saved as returned: the fp32 merge is not kept (see _delta)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.scale, ctx.ring, ctx.window = scale, ring, window
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -142,7 +144,7 @@ class RingAttention(torch.autograd.Function):
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.scale, ctx.ring, ctx.window)
         dsinks = None
         if ctx.needs_input_grad[3]:
-            dsinks = sinks_grad(lse, (dout.float() * out).sum(-1), sinks)
+            dsinks = sinks_grad(lse, _delta(dout, out), sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 

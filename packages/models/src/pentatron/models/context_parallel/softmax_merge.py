@@ -269,6 +269,14 @@ def pair_grads(
     return dq, torch.stack([dk, dv]), r, slice(None)
 
 
+def _delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`sum(dout * out, -1)` in fp32 `[b, n, sq]`, from the output as the cp function returned
+    and saved it (the model's dtype). The fused kernels form it from that output too (they
+    take out in q's dtype); keeping the fp32 merge instead would cost 4 bytes an element
+    of the layer's output, per layer, until backward."""
+    return (dout.float() * out.float()).sum(-1)
+
+
 def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
     """Fold one sink logit per head, `sinks` `[n]`, into the merged (out `[b, n, sq, d]`,
     lse `[b, n, sq]`) (fp32): a key every query sees, with value 0. None: unchanged."""
