@@ -126,9 +126,13 @@ def test_fake_device_runs_under_a_restriction():
 def test_config_refusals_name_the_field():
     with pytest.raises(ModelConfigError, match=r"attention_backend='cudnn'.*one of"):
         small_config(attention_backend="cudnn")
-    with pytest.raises(ModelConfigError, match=r"attention_backend='flash'.*a2a"):
-        small_config(attention_backend="flash", context_parallel_size=2, cp_comm_type="p2p")
-    small_config(attention_backend="flash", context_parallel_size=2, cp_comm_type="a2a")
+    # p2p / all_gather blocks run the flash kernel or the maths, never cuDNN's (0.7.1: flash
+    # is taken; test_cp_block_kernels checks which kernel each backend runs)
+    for kind in ("p2p", "all_gather"):
+        with pytest.raises(ModelConfigError, match=r"attention_backend='fused'.*a2a"):
+            small_config(attention_backend="fused", context_parallel_size=2, cp_comm_type=kind)
+        small_config(attention_backend="flash", context_parallel_size=2, cp_comm_type=kind)
+    small_config(attention_backend="fused", context_parallel_size=2, cp_comm_type="a2a")
 
 
 def test_transformer_engine_switches_are_megatrons(monkeypatch):

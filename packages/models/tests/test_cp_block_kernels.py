@@ -211,3 +211,92 @@ def test_planted_block_local_softmax_fails(monkeypatch):
     monkeypatch.setattr(sm, "fused_backward", local)
     with pytest.raises(AssertionError, match=r"dq|dkv"):
         _check(torch.float32)
+
+
+# --- attention_backend at cp2, through DotProductAttention (gloo) -------------------------
+S_CP = 16  # tokens over cp = 2: chunks of 4
+
+
+def _full_inputs():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(S_CP, B, N, D, generator=g)
+    k, v = (torch.randn(S_CP, B, G, D, generator=g) for _ in range(2))
+    return q, k, v, torch.randn(S_CP, B, N * D, generator=g)
+
+
+def _cp_backends(kind: str) -> dict:
+    """Per attention_backend: (out, dq, dk, dv) of this cp rank's shard, and its flash calls;
+    "flash" in fp64: the error and the cp collectives started before it."""
+    from pentatron.models import ModelConfigError, TransformerConfig
+    from pentatron.models.attention import DotProductAttention
+    from pentatron.models.context_parallel import shard_for_cp_rank
+    from pentatron.parallel_state import (
+        ParallelConfig,
+        comm,
+        destroy_model_parallel,
+        initialize_model_parallel,
+    )
+
+    grid = initialize_model_parallel(ParallelConfig(cp=2))
+    out: dict = {}
+    try:
+        rank = grid.rank("cp")
+        shards = [shard_for_cp_rank(x, 2, rank, dim=0) for x in _full_inputs()]
+        for backend in ("auto", "flash", "unfused", "local", "flash-fp64"):
+            config = TransformerConfig(
+                num_layers=1,
+                hidden_size=N * D,
+                num_attention_heads=N,
+                num_query_groups=G,
+                context_parallel_size=2,
+                cp_comm_type=kind,
+                attention_dropout=0.0,
+                attention_backend=backend.removesuffix("-fp64"),
+            )
+            attn = DotProductAttention(config, 1, 1)
+            attn.set_cp_group(grid.group("cp"))
+            dtype = torch.float64 if backend.endswith("fp64") else torch.float32
+            q, k, v = (x.to(dtype).clone().requires_grad_() for x in shards[:3])
+            if dtype == torch.float64:
+                with comm.trace() as ledger:
+                    try:
+                        attn(q, k, v)
+                    except ModelConfigError as e:
+                        out[backend] = (str(e), len(ledger.records))
+                continue
+            with _Ops() as ops:
+                o = attn(q, k, v)
+                o.backward(shards[3])
+            flash = ops.names.count("_scaled_dot_product_flash_attention_for_cpu")
+            out[backend] = ((o.detach(), q.grad, k.grad, v.grad), flash)
+    finally:
+        destroy_model_parallel(grid)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["p2p", "all_gather"])
+def test_attention_backend_picks_the_blocks_kernel(distributed, kind):
+    """auto and flash: the blocks call the flash kernel; unfused and local (Megatron's
+    PyTorch attention): the maths, no flash call. All
+    four equal one process's causal SDPA on the whole sequence (fp32, 1e-5). flash where
+    the blocks have no flash kernel (fp64) raises ModelConfigError naming the field, before
+    any cp collective."""
+    from pentatron.models.context_parallel import gather_cp_shards
+
+    q, k, v, dout = (x.requires_grad_(x.dim() == 4) for x in _full_inputs())
+    qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=SCALE, enable_gqa=True)
+    ref = ref.permute(2, 0, 1, 3).reshape(S_CP, B, -1)
+    ref.backward(dout)
+    want = (ref.detach(), q.grad, k.grad, v.grad)
+    ranks = distributed.run(2, _cp_backends, kind)
+    for backend in ("auto", "flash", "unfused", "local"):
+        calls = [r[backend][1] for r in ranks]
+        assert all(c > 0 for c in calls) if backend in ("auto", "flash") else calls == [0, 0]
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            got = gather_cp_shards([r[backend][0][i] for r in ranks], dim=0)
+            torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-5, msg=(backend, name))
+    for r in ranks:
+        message, collectives = r["flash-fp64"]
+        assert message.startswith("attention_backend='flash' with context parallelism: the rule")
+        assert "fix: attention_backend='auto'" in message and collectives == 0

@@ -208,14 +208,15 @@ def check_context_parallel(c: Any) -> None:
     cp = c.context_parallel_size
     _positive("context_parallel_size", cp)
     _choice("cp_comm_type", c.cp_comm_type, CP_COMM_TYPES)
-    if cp > 1 and c.cp_comm_type != "a2a" and c.attention_backend in ("flash", "fused"):
+    if cp > 1 and c.cp_comm_type != "a2a" and c.attention_backend == "fused":
         fail(
             "attention_backend",
             c.attention_backend,
             f"with context_parallel_size={cp} and cp_comm_type={c.cp_comm_type!r} attention "
-            "runs blockwise in PyTorch (context_parallel/), never through SDPA's fused kernels",
-            "use attention_backend='auto' (or 'unfused'), or cp_comm_type='a2a', whose "
-            "attention is one SDPA call",
+            "runs blockwise on the flash kernel (context_parallel/block_kernels.py) or "
+            "PyTorch's maths, never on cuDNN's fused kernel",
+            "use attention_backend='auto' or 'flash' (or 'unfused'), or cp_comm_type='a2a', "
+            "whose attention is one SDPA call",
         )
     if cp > 1 and c.cp_comm_type == "a2a":
         split = c.tensor_model_parallel_size * cp

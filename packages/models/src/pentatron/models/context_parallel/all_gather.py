@@ -63,22 +63,23 @@ def _order(rank: int, n: int) -> list[int]:
 
 class AllGatherAttention(torch.autograd.Function):
     """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]`, sinks `[n]` or None, window (keys back)
-    or None -> out `[b, n, s/cp, d]` (causal)."""
+    or None, fused (False: the blocks on the unfused maths) -> out `[b, n, s/cp, d]` (causal)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, scale: float, group: Any, cp_rank: int, window):
+    def forward(ctx, q, k, v, sinks, scale: float, group: Any, cp_rank: int, window, fused=True):
         kv = _gather_kv(k, v, group)
         qb = q.permute(1, 2, 0, 3)
         out = lse = None
         for j in _order(cp_rank, kv.size(0)):
             quads = window_quadrants(j, cp_rank, kv.size(0), q.size(0) // 2, window, q.device)
             case = pair_case(j, cp_rank)
-            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse, quads)
+            out, lse = pair_forward(case, qb, kv[j, 0], kv[j, 1], scale, out, lse, quads, fused)
         assert out is not None and lse is not None, "_order yields the own rank's pair first"
         out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # saved as returned: the fp32 merge is not kept
         ctx.save_for_backward(q, k, v, out, lse, sinks)  # all [s/cp]: not the gathered kv
         ctx.scale, ctx.group, ctx.cp_rank, ctx.window = scale, group, cp_rank, window
+        ctx.fused = fused
         return out
 
     @staticmethod
@@ -95,7 +96,7 @@ class AllGatherAttention(torch.autograd.Function):
             )
             case = pair_case(j, ctx.cp_rank)
             grads = pair_grads(
-                case, qb, kv[j, 0], kv[j, 1], out, lse, dout, delta, ctx.scale, quads
+                case, qb, kv[j, 0], kv[j, 1], out, lse, dout, delta, ctx.scale, quads, ctx.fused
             )
             if grads is None:  # a windowed pair no query sees
                 continue
@@ -104,11 +105,19 @@ class AllGatherAttention(torch.autograd.Function):
             dkv[j, :, :, :, kvrows] += dkv_p
         dk, dv = _reduce_scatter_kv(dkv, k.dtype, ctx.group)
         dsinks = sinks_grad(lse, delta, sinks) if ctx.needs_input_grad[3] else None
-        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, dsinks, None, None, None, None
+        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, dsinks, None, None, None, None, None
 
 
 def all_gather_attention(
-    q, k, v, scale: float, group: Any, cp_rank: int, sinks=None, window: int | None = None
+    q,
+    k,
+    v,
+    scale: float,
+    group: Any,
+    cp_rank: int,
+    sinks=None,
+    window: int | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """q `[s/cp, b, n, d]`, k/v `[s/cp, b, g, d]` -> out `[b, n, s/cp, d]` (causal)."""
-    return AllGatherAttention.apply(q, k, v, sinks, scale, group, cp_rank, window)
+    return AllGatherAttention.apply(q, k, v, sinks, scale, group, cp_rank, window, fused)

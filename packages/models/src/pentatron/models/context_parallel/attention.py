@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..config import ModelConfigError
 from .a2a import a2a_attention
 from .all_gather import all_gather_attention
+from .block_kernels import fused_kernel
 from .ring import ring_attention
 from .sharding import check_cp_seq_len
 
@@ -40,6 +41,26 @@ def check_cp_inputs(config: Any, group: Any, seq_local: int, attention_mask: Any
     check_cp_seq_len(seq_local * cp, cp, "sequence length")
 
 
+def blocks_fused(attention_backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Whether the p2p / all_gather blocks may run a fused kernel, by `attention_backend`
+    (Megatron's --attention-backend): "unfused" and "local" ask for PyTorch's maths;
+    "flash" insists on the flash kernel (raised here, before any collective, where the
+    device and dtype have none: `block_kernels.fused_kernel`); "auto": where there is one.
+    Windowed blocks take the maths whatever the backend (config_checks refuses "flash"
+    with a window)."""
+    if attention_backend in ("unfused", "local"):
+        return False
+    if attention_backend == "flash" and fused_kernel(q, k, v) is None:
+        raise ModelConfigError(
+            f"attention_backend='flash' with context parallelism: the rule: the blocks' flash "
+            f"kernel needs bf16 / fp16 on a CUDA GPU of sm80+ (or the CPU, fp32 / bf16 / "
+            f"fp16) and a head dim of at most 256, a multiple of 8; got {q.dtype} on "
+            f"{q.device.type}, head dim {q.size(-1)}; fix: attention_backend='auto' (flash "
+            "where it applies) or a dtype / device that has it"
+        )
+    return True
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,11 +78,13 @@ def context_parallel_attention(
     s, b = q.shape[:2]
     kind = config.cp_comm_type
     if kind == "p2p":
+        fused = blocks_fused(config.attention_backend, q, k, v)
         qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-        out = ring_attention(qb, kb, vb, scale, group, sinks, window)  # [b, n, s/cp, d]
+        out = ring_attention(qb, kb, vb, scale, group, sinks, window, fused)  # [b, n, s/cp, d]
     elif kind == "all_gather":
+        fused = blocks_fused(config.attention_backend, q, k, v)
         cp_rank = dist.get_group_rank(group, dist.get_rank())
-        out = all_gather_attention(q, k, v, scale, group, cp_rank, sinks, window)
+        out = all_gather_attention(q, k, v, scale, group, cp_rank, sinks, window, fused)
     elif kind == "a2a":
         out = a2a_attention(
             q, k, v, scale, group, config.attention_backend, sinks=sinks, window=window

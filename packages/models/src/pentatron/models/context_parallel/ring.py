@@ -62,7 +62,7 @@ def _quadrants(src: int, q: torch.Tensor, ring: _Ring, window: int | None):
     return window_quadrants(src, ring.rank, ring.size, q.size(2) // 2, window, q.device)
 
 
-def _ring_forward(q, k, v, scale: float, ring: _Ring, window: int | None = None):
+def _ring_forward(q, k, v, scale: float, ring: _Ring, window=None, fused: bool = True):
     """-> out `[b, n, 2L, d]` fp32, lse `[b, n, 2L]`."""
     kv = torch.stack([k, v])
     out = lse = None
@@ -73,14 +73,16 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring, window: int | None = None)
         src = (ring.rank - step) % ring.size
         quads = _quadrants(src, q, ring, window)
         case = pair_case(src, ring.rank)
-        out, lse = pair_forward(case, q, kv[0], kv[1], scale, out, lse, quads)
+        out, lse = pair_forward(case, q, kv[0], kv[1], scale, out, lse, quads, fused)
         _wait(works)
         if step < ring.size - 1:
             kv = nxt
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=None):
+def _ring_backward(
+    q, k, v, out, lse, dout, scale: float, ring: _Ring, window=None, fused: bool = True
+):
     """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32).
 
     K/V travel in their own dtype (as in forward) and enter the GEMMs in it; the dK/dV
@@ -101,7 +103,7 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=No
         src = (ring.rank - step) % ring.size
         case = pair_case(src, ring.rank)
         quads = _quadrants(src, q, ring, window)
-        grads = pair_grads(case, q, kv[0], kv[1], out, lse, dout, delta, scale, quads)
+        grads = pair_grads(case, q, kv[0], kv[1], out, lse, dout, delta, scale, quads, fused)
         if grads is not None:  # None: a windowed block no query sees
             dq_p, dkv_p, qrows, kvrows = grads
             dq[:, :, qrows] += dq_p
@@ -126,30 +128,33 @@ def _ring_backward(q, k, v, out, lse, dout, scale: float, ring: _Ring, window=No
 
 class RingAttention(torch.autograd.Function):
     """q `[b, n, 2L, d]`, k/v `[b, g, 2L, d]` (this rank's chunks), sinks `[n]` or None,
-    window (keys back) or None -> out `[b, n, 2L, d]`."""
+    window (keys back) or None, fused (False: the blocks on the unfused maths) ->
+    out `[b, n, 2L, d]`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, scale: float, group: Any, window: int | None):
+    def forward(ctx, q, k, v, sinks, scale: float, group: Any, window, fused: bool = True):
         ring = _Ring(group)
-        out, lse = _ring_forward(q, k, v, scale, ring, window)
+        out, lse = _ring_forward(q, k, v, scale, ring, window, fused)
         out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # saved as returned: the fp32 merge is not kept (see _delta)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.scale, ctx.ring, ctx.window = scale, ring, window
+        ctx.scale, ctx.ring, ctx.window, ctx.fused = scale, ring, window, fused
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.scale, ctx.ring, ctx.window)
+        dq, dk, dv = _ring_backward(
+            q, k, v, out, lse, dout, ctx.scale, ctx.ring, ctx.window, ctx.fused
+        )
         dsinks = None
         if ctx.needs_input_grad[3]:
             dsinks = sinks_grad(lse, _delta(dout, out), sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
 def ring_attention(
-    q, k, v, scale: float, group: Any, sinks=None, window: int | None = None
+    q, k, v, scale: float, group: Any, sinks=None, window: int | None = None, fused: bool = True
 ) -> torch.Tensor:
     """Causal attention over the cp ring; shapes as `RingAttention`."""
-    return RingAttention.apply(q, k, v, sinks, scale, group, window)
+    return RingAttention.apply(q, k, v, sinks, scale, group, window, fused)
