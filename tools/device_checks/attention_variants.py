@@ -18,16 +18,13 @@ Prints one line per variant and `RESULT {json}`; exits non-zero on a failure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import statistics
 import sys
-import time
 
 import _paths  # noqa: F401
 import torch
-from _kernels import device_kernels, sdpa_backend
+from _kernel_timing import measure, parse_device
 
 from pentatron.models.attention_variants import variant_sdpa
 
@@ -113,25 +110,6 @@ def rel_errors(variant, got, want) -> dict[str, float]:
     return errors
 
 
-def timed_ms(device, call, reps: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def check(variant: str, device, dtype, tiny: bool) -> dict:
     timed_shape, small_shape = shapes(tiny)
     window = 15 if tiny else WINDOW
@@ -145,37 +123,20 @@ def check(variant: str, device, dtype, tiny: bool) -> dict:
         if not err <= tol:
             res["problems"].append(f"{name} relative error {err:.2e} > {tol:.0e}")
     big = inputs(timed_shape, dtype, device, seed=1)
-    if device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            forward_backward(ours, *big, variant, window)
-            torch.cuda.synchronize()
-        res["backend"] = sdpa_backend(sorted(device_kernels(prof)))
-        if res["backend"] == "math":
-            res["problems"].append("SDPA ran the math kernel")
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    res["ms"] = timed_ms(device, lambda: forward_backward(ours, *big, variant, window))
-    if device.type == "cuda":
-        res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    res.update(measure(device, lambda: forward_backward(ours, *big, variant, window)))
+    if res.get("backend") == "math":
+        res["problems"].append("SDPA ran the math kernel")
     res["ok"] = not res["problems"]
     return res
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="small shapes (the CPU smoke)")
-    opts = p.parse_args()
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing checked")
-        print("RESULT " + json.dumps({"status": "SKIP", "note": "needs CUDA"}))
+    parsed = parse_device(__doc__)
+    if parsed is None:
         return 0
-    device = torch.device(opts.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype, tiny = parsed
     torch.manual_seed(0)
-    out = {name: check(name, device, dtype, opts.tiny) for name in VARIANTS}
+    out = {name: check(name, device, dtype, tiny) for name in VARIANTS}
     for name, r in out.items():
         r["vs_causal"] = r["ms"] / out["causal"]["ms"]
         kernel = f", kernel {r['backend']}" if "backend" in r else ""

@@ -20,15 +20,12 @@ Prints one line per path and `RESULT {json}`; exits non-zero on a failure.
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
-import time
 
 import _paths  # noqa: F401
 import torch
-from _kernels import device_kernels, sdpa_backend
+from _kernel_timing import measure, parse_device
 
 from pentatron.models.context_parallel import softmax_merge as sm
 
@@ -76,21 +73,6 @@ def rel_errors(got: dict, want: dict) -> dict[str, float]:
     }
 
 
-def timed_ms(device, call, reps: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def check(device, dtype, tiny: bool) -> dict:
     timed_shape, small_shape = shapes(tiny)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -105,37 +87,20 @@ def check(device, dtype, tiny: bool) -> dict:
         for what, err in r["rel_errors"].items():
             if not err <= tol:
                 r["problems"].append(f"{what} relative error {err:.2e} > {tol:.0e}")
-        if device.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                pairs(*big, fused=fused)
-                torch.cuda.synchronize()
-            r["backend"] = sdpa_backend(sorted(device_kernels(prof)))
-            if fused and r["backend"] != "flash":
-                r["problems"].append(f"the fused path ran {r['backend']}, not flash")
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        r["ms"] = timed_ms(device, lambda fused=fused: pairs(*big, fused=fused))
-        if device.type == "cuda":
-            r["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        r.update(measure(device, lambda fused=fused: pairs(*big, fused=fused), reps=5, warmup=2))
+        if fused and "backend" in r and r["backend"] != "flash":
+            r["problems"].append(f"the fused path ran {r['backend']}, not flash")
         r["ok"] = not r["problems"]
         out[name] = r
     return out
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="small shapes (the CPU smoke)")
-    opts = p.parse_args()
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing checked")
-        print("RESULT " + json.dumps({"status": "SKIP", "note": "needs CUDA"}))
+    parsed = parse_device(__doc__)
+    if parsed is None:
         return 0
-    device = torch.device(opts.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = check(device, dtype, opts.tiny)
+    device, dtype, tiny = parsed
+    out = check(device, dtype, tiny)
     out["fused_over_maths"] = out["fused"]["ms"] / out["maths"]["ms"]
     for name in ("fused", "maths"):
         r = out[name]
