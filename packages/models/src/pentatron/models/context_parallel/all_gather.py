@@ -25,12 +25,12 @@ import torch.distributed as dist
 from pentatron.parallel_state import comm
 
 from .softmax_merge import (
-    _delta,
     add_sinks,
     pair_case,
     pair_forward,
     pair_grads,
     sinks_grad,
+    softmax_delta,
     window_quadrants,
 )
 
@@ -87,7 +87,7 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         kv = _gather_kv(k, v, ctx.group)  # recompute the gather, not saved
         qb = q.permute(1, 2, 0, 3)
-        delta = _delta(dout, out)  # dout stays in its dtype for the GEMMs
+        delta = softmax_delta(dout, out)  # dout stays in its dtype for the GEMMs
         dq = torch.zeros_like(qb, dtype=torch.float32)
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         for j in range(kv.size(0)):

@@ -57,11 +57,11 @@ def fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | Non
     return None
 
 
-def _repeat(x: torch.Tensor, rep: int) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
-def _fold(dx: torch.Tensor, rep: int) -> torch.Tensor:
+def fold_heads(dx: torch.Tensor, rep: int) -> torch.Tensor:
     """`[b, g*rep, s, d]` -> `[b, g, s, d]`: sum the grads of the repeated heads."""
     if rep == 1:
         return dx
@@ -92,7 +92,7 @@ def fused_forward(
     else:
         rep = q.size(1) // k.size(1)
         res = aten._scaled_dot_product_flash_attention(
-            q, _repeat(k, rep), _repeat(v, rep), 0.0, causal, False, scale=scale
+            q, repeat_heads(k, rep), repeat_heads(v, rep), 0.0, causal, False, scale=scale
         )
         out, lse = res[0], res[1]
     return _dense_fp32(out), _dense_fp32(lse)
@@ -133,8 +133,8 @@ def fused_backward(
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
         dout,
         q,
-        _repeat(k, rep),
-        _repeat(v, rep),
+        repeat_heads(k, rep),
+        repeat_heads(v, rep),
         out,
         lse,
         None,  # cumulative sequence lengths: dense, not varlen
@@ -147,4 +147,4 @@ def fused_backward(
         offset,
         scale=scale,
     )
-    return dq.float(), _fold(dk.float(), rep), _fold(dv.float(), rep)
+    return dq.float(), fold_heads(dk.float(), rep), fold_heads(dv.float(), rep)

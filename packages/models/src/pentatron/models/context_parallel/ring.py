@@ -24,12 +24,12 @@ import torch.distributed as dist
 from pentatron.parallel_state import comm
 
 from .softmax_merge import (
-    _delta,
     add_sinks,
     pair_case,
     pair_forward,
     pair_grads,
     sinks_grad,
+    softmax_delta,
     window_quadrants,
 )
 
@@ -90,7 +90,7 @@ def _ring_backward(
     the accumulator sent at step i is waited for only when step i + 1 adds to it, so it
     overlaps the next block's computation too.
     """
-    delta = _delta(dout, out)  # dout stays in its dtype for the GEMMs
+    delta = softmax_delta(dout, out)  # dout stays in its dtype for the GEMMs
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
     own = torch.zeros_like(kv, dtype=torch.float32)
@@ -136,7 +136,7 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         out, lse = _ring_forward(q, k, v, scale, ring, window, fused)
         out, lse = add_sinks(out, lse, sinks)
-        out = out.to(q.dtype)  # saved as returned: the fp32 merge is not kept (see _delta)
+        out = out.to(q.dtype)  # saved as returned, not the fp32 merge (see softmax_delta)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.scale, ctx.ring, ctx.window, ctx.fused = scale, ring, window, fused
         return out
@@ -149,7 +149,7 @@ class RingAttention(torch.autograd.Function):
         )
         dsinks = None
         if ctx.needs_input_grad[3]:
-            dsinks = sinks_grad(lse, _delta(dout, out), sinks)
+            dsinks = sinks_grad(lse, softmax_delta(dout, out), sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .block_kernels import _fold, _repeat, fused_backward, fused_forward, fused_kernel
+from .block_kernels import fold_heads, fused_backward, fused_forward, fused_kernel, repeat_heads
 
 _LOW = (torch.bfloat16, torch.float16)
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
@@ -94,7 +94,7 @@ def block_forward(
     if kernel is not None:
         return fused_forward(kernel, q, k, v, scale, causal)
     rep = q.size(1) // k.size(1)
-    k, v = _repeat(k.to(q.dtype), rep), _repeat(v.to(q.dtype), rep)
+    k, v = repeat_heads(k.to(q.dtype), rep), repeat_heads(v.to(q.dtype), rep)
     s = _scores(q, k, scale, causal, keep)
     lse = torch.logsumexp(s, dim=-1)
     finite = lse if keep is None else lse.masked_fill(torch.isinf(lse), 0.0)
@@ -139,13 +139,13 @@ def block_backward(
     if kernel is not None:
         return fused_backward(kernel, q, k, v, out, lse, dout, scale, causal)
     rep, low = q.size(1) // k.size(1), q.dtype
-    kr, vr, dout = _repeat(k.to(low), rep), _repeat(v.to(low), rep), dout.to(low)
+    kr, vr, dout = repeat_heads(k.to(low), rep), repeat_heads(v.to(low), rep), dout.to(low)
     p = torch.exp(_scores(q, kr, scale, causal, keep) - lse[..., None])
     dv = _mm(p.transpose(-1, -2).to(low), dout)
     ds = p * (_mm(dout, vr.transpose(-1, -2)) - delta[..., None])
     dq = _mm(ds.to(low), kr) * scale
     dk = _mm(ds.transpose(-1, -2).to(low), q) * scale
-    return dq, _fold(dk, rep), _fold(dv, rep)
+    return dq, fold_heads(dk, rep), fold_heads(dv, rep)
 
 
 # Load-balanced chunk pairs. A cp rank holds chunks (r, 2cp-1-r) as `[.., 2L, ..]`; against
@@ -269,7 +269,7 @@ def pair_grads(
     return dq, torch.stack([dk, dv]), r, slice(None)
 
 
-def _delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`sum(dout * out, -1)` in fp32 `[b, n, sq]`, from the output as the cp function returned
     and saved it (the model's dtype). The fused kernels form it from that output too (they
     take out in q's dtype); keeping the fp32 merge instead would cost 4 bytes an element
