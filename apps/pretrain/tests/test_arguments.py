@@ -338,3 +338,22 @@ def test_fp16_runs_on_cpu_and_dynamic_scaling_turns_the_grad_check_off(extra, ch
     assert args.check_for_nan_in_loss_and_grad is checked
     noted = any("dynamic loss scaling" in n for n in args.startup_notes)
     assert noted == (extra == ["--fp16"])  # said once, where the rule changed the flag
+
+
+def test_context_parallel_on_a_te_machine_runs_the_local_spec():
+    """With transformer-engine and CUDA, --context-parallel-size 2 under Megatron's default
+    --transformer-impl runs the local spec (whose attention runs over the cp group), said
+    once; GPTModel would refuse the TE layout only after the groups exist. FP8 (TE only)
+    with cp is refused by name."""
+    cp = ["--context-parallel-size", "2", "--attention-dropout", "0"]
+    args = validate_args(parse_args(BASE + cp), 2, cuda=True, have_te=True)
+    assert args.transformer_impl == "local"
+    notes = [n for n in args.startup_notes if "--context-parallel-size" in n]
+    assert len(notes) == 1 and "local PyTorch spec" in notes[0]
+    te = validate_args(parse_args(BASE), 2, cuda=True, have_te=True)
+    assert te.transformer_impl == "transformer_engine"  # without cp: TE's layout
+    quiet = validate_args(parse_args([*BASE, *cp, "--transformer-impl", "local"]), 2, cuda=True)
+    assert not [n for n in quiet.startup_notes if "--context-parallel-size" in n]
+    fp8 = [*cp, "--bf16", "--fp8-format", "hybrid"]
+    with pytest.raises(ArgumentError, match=r"^--fp8-format=hybrid: .*context-parallel"):
+        validate_args(parse_args(BASE + fp8), 2, cuda=True, have_te=True)

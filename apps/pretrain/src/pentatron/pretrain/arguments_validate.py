@@ -570,6 +570,29 @@ def _attention_variants_spec(args: argparse.Namespace) -> None:
     )
 
 
+def _context_parallel_spec(args: argparse.Namespace) -> None:
+    """Context parallelism runs in the local attention (pentatron.models.context_parallel:
+    flash kernels per block, over the cp group); the transformer-engine layout's attention
+    is not wired to the cp group (GPTModel would refuse it after the groups exist)."""
+    cp = args.context_parallel_size
+    if cp == 1 or args.transformer_impl != "transformer_engine":
+        return
+    if args.fp8_format:
+        _fail(
+            "fp8-format",
+            args.fp8_format,
+            f"FP8 runs through the transformer-engine layout, whose attention is not wired "
+            f"to the context-parallel group (--context-parallel-size {cp})",
+            "drop --fp8-format, or use --context-parallel-size 1",
+        )
+    args.transformer_impl = "local"
+    args.startup_notes.append(
+        f"--context-parallel-size {cp} runs on the local PyTorch spec (its attention runs "
+        "over the cp group; the transformer-engine layout's is not wired to it yet); pass "
+        "--transformer-impl local to silence this"
+    )
+
+
 def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> None:
     if args.fp16 and args.bf16:
         _fail("fp16", True, "--fp16 and --bf16 are exclusive", "pass one")
@@ -610,6 +633,7 @@ def _precision_and_gpu(args: argparse.Namespace, cuda: bool, have_te: bool) -> N
             "--multi-latent-attention runs on the local PyTorch spec (its transformer-engine "
             "layout is not built yet); pass --transformer-impl local to silence this"
         )
+    _context_parallel_spec(args)
     _attention_variants_spec(args)
     needs_gpu = {
         "enable-cuda-graph": args.enable_cuda_graph,
