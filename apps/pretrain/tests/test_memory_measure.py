@@ -71,6 +71,8 @@ OSS = ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-v
 OSS += ["--softmax-type", "learnable", "--window-size", "7,0", "--window-attn-skip-freq", "2"]
 OSS += ["--transformer-impl", "local"]
 
+CP2_P2P = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+
 LAYOUTS = {
     1: {
         "fp32": [],
@@ -147,7 +149,7 @@ LAYOUTS = {
             *("--use-distributed-optimizer", "--global-batch-size", "4"),
         ],
         "moe-ep2-a2a": MOE + EP2 + A2A + ["--global-batch-size", "4"],
-        "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
+        "cp2-p2p": CP2_P2P,
         "mla-tp2-sp-bf16-mtp": BF16 + MLA + TP2_SP + MTP,
         "mla-tp2-nosp": [*MLA, "--tensor-model-parallel-size", "2"],
         # under SP the up-projection checkpoint keeps the gathered k_pe
@@ -170,6 +172,23 @@ LAYOUTS = {
             "all_gather",
         ],
         "cp2-a2a-bf16-gqa": BF16 + GQA + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+        # selective recompute with cp: every kind runs inside the checkpoint, which keeps
+        # q, k, v as without cp (the ring's output and lse, a2a's exchanges: not kept)
+        "cp2-p2p-selective": [*CP2_P2P, "--recompute-granularity", "selective"],
+        "cp2-all_gather-bf16-selective": [
+            *BF16,
+            *("--context-parallel-size", "2", "--cp-comm-type", "all_gather"),
+            *("--recompute-granularity", "selective"),
+        ],
+        "cp2-a2a-bf16-gqa-selective": BF16
+        + GQA
+        + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+        + ["--recompute-granularity", "selective"],
+        "oss-cp2-p2p-bf16-gqa-selective": BF16
+        + GQA
+        + OSS
+        + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+        + ["--recompute-granularity", "selective"],
         # the ring and all-gather keep what they keep without the variants; a2a runs them
         # over the whole sequence for nq/cp heads
         "oss-cp2-p2p": [*OSS, "--context-parallel-size", "2", "--cp-comm-type", "p2p"],

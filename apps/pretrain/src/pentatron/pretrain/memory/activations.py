@@ -179,16 +179,18 @@ def _attention_terms(plan, sb, b, e, nq, ng, d, masked: bool = False) -> tuple[i
     cos/sin; SDPA keeps q, k, v and its output. k and v are views of the QKV output
     unless GQA repeats them (heads over 256 dims, fp32 on CUDA; then the repeats are kept
     instead); q is a copy with RoPE or those repeats. Selective recompute keeps the
-    checkpoint's inputs q, k, v (before any repeat). With cp > 1 see
+    checkpoint's inputs q, k, v (before any repeat), with cp > 1 too: every cp kind runs
+    inside the checkpoint, so the ring's output and lse, or a2a's exchanged tensors, are
+    not kept (measured exact at cp2 p2p, all_gather and a2a). Otherwise with cp > 1 see
     `_cp_attention_terms`."""
     c = plan.config
-    if plan.cp > 1:
+    selective = c.recompute_granularity == "selective"
+    if plan.cp > 1 and not selective:
         return _cp_attention_terms(plan, sb, b, e, nq, ng, d)
     rope = c.position_embedding_type in ("rope", "yarn")
     # SDPA reads grouped k/v itself; the model repeats them only for heads over 256 dims,
     # fp32 on CUDA (or with an attention mask, which the app never passes): models.sdpa.
     gqa = nq != ng and (masked or not _grouped_kv(plan, nq // ng, d))
-    selective = c.recompute_granularity == "selective"
     att = e * sb * nq * d if (rope or gqa) else 0
     if selective or not gqa:
         att += e * sb * (nq + 2 * ng) * d + (e * sb * ng * d if rope else 0)
@@ -303,8 +305,8 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
       at ng/cp heads, repeated to nq/cp for heads over 256 dims and fp32 on CUDA), its
       output, log-sum-exp, and the two int64 orderings `16 s`;
       linear_proj keeps the exchanged-back output `e sb nq d`.
-    Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute with cp is
-    not measured (sized as without it)."""
+    Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute: see
+    `_attention_terms`."""
     c, cp = plan.config, plan.cp
     rope = c.position_embedding_type in ("rope", "yarn")
     lse = 4 * nq * sb
