@@ -172,6 +172,29 @@ LAYOUTS = {
             "all_gather",
         ],
         "cp2-a2a-bf16-gqa": BF16 + GQA + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+        # MLA with cp: v padded to q's head dim (a new tensor; the kv up-projection is not
+        # kept), then as the kinds keep their q, k, v; selective and up-projection recompute
+        "mla-cp2-p2p": [*MLA, *CP2_P2P],
+        "mla-cp2-all_gather-bf16": [
+            *(BF16 + MLA),
+            *("--context-parallel-size", "2", "--cp-comm-type", "all_gather"),
+        ],
+        "mla-cp2-a2a-bf16": [
+            *(BF16 + MLA),
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            "a2a",
+        ],
+        "mla-cp2-p2p-bf16-selective": [
+            *(BF16 + MLA + CP2_P2P),
+            *("--recompute-granularity", "selective"),
+        ],
+        "mla-cp2-p2p-bf16-upproj": [
+            *(BF16 + MLA + CP2_P2P),
+            *("--recompute-granularity", "selective"),
+            *("--recompute-modules", "core_attn", "mla_up_proj"),
+        ],
         # selective recompute with cp: every kind runs inside the checkpoint, which keeps
         # q, k, v as without cp (the ring's output and lse, a2a's exchanges: not kept)
         "cp2-p2p-selective": [*CP2_P2P, "--recompute-granularity", "selective"],
@@ -248,6 +271,7 @@ LAYOUTS = {
         + ["--moe-shared-expert-intermediate-size", "64", "--use-distributed-optimizer"]
         + ["--global-batch-size", "8"],
         "tp2-sp-cp2-p2p": BF16 + TP2_SP + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
+        "mla-tp2-sp-cp2-p2p-bf16": BF16 + MLA + TP2_SP + CP2_P2P,
         # DeepSeek's kind: MLA, a dense first layer then MoE (a shared expert), MTP (a MoE
         # layer, like the last), ep2 with tp2 + SP
         "moe-mla-mtp-tp2-sp-ep2": BF16

@@ -236,6 +236,8 @@ def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, 
         return att + gathered_k_pe, e * sb * n * c.v_head_dim
     if c.recompute_granularity == "selective":
         core = 2 * e * sb * n * d_q + kv_up
+    elif plan.cp > 1:
+        core = _mla_cp_core(plan, sb, b, e, n, d_q)
     elif plan.device == "cpu":
         core = (
             2 * 4 * sb * n * d_q
@@ -250,6 +252,19 @@ def _mla_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> tuple[int, 
             + 4 * b * n * (-(-s // 32) * 32)
         )
     return att, core + e * sb * n * c.v_head_dim
+
+
+def _mla_cp_core(plan: MemoryPlan, sb: int, b: int, e: int, n: int, d_q: int) -> int:
+    """MLA's core attention with cp > 1 (linear_proj's input added by the caller): the
+    attention pads v to q's head dim (the cp kinds move K and V as one block), a new
+    tensor, so the kv up-projection is not kept; then as `_cp_attention_terms` with n
+    heads of d_q dims and no grouping: p2p / all_gather keep q, k, the padded v, their
+    output `e sb n d_q` and lse; a2a its exchanged q, k, v, output, lse and orderings."""
+    c, cp = plan.config, plan.cp
+    lse = 4 * n * sb
+    if c.cp_comm_type == "a2a":
+        return 4 * e * sb * n * d_q + lse + 16 * sb // b * cp
+    return 4 * e * sb * n * d_q + lse
 
 
 def _up_proj_recomputed(c) -> bool:

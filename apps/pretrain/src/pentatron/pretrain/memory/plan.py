@@ -45,30 +45,17 @@ class MemoryPlan:
 
     def __post_init__(self) -> None:
         c = self.config
-        refused = [
-            (
-                c.multi_latent_attention and c.context_parallel_size > 1,
-                "--multi-latent-attention with --context-parallel-size > 1: the cp kernels' "
-                "zero-padded V is not sized yet",
-                "size it at cp 1, or measure it with torchrun -m pentatron.pretrain.memory.measure",
-            ),
-        ]
         modules = (
             set(c.recompute_modules or ()) if c.recompute_granularity == "selective" else set()
         )
         unsized = sorted(modules - {"core_attn", "mla_up_proj"})
-        refused.append(
-            (
-                bool(unsized) or (bool(modules) and "core_attn" not in modules),
+        if unsized or (modules and "core_attn" not in modules):
+            raise MemoryPlanError(
                 f"--recompute-modules {' '.join(unsized or sorted(modules))}: selective "
-                "recompute is sized for core_attn (with MLA, plus mla_up_proj) only",
+                "recompute is sized for core_attn (with MLA, plus mla_up_proj) only; fix: "
                 "size it without selective recompute (an upper bound), or measure it with "
-                "torchrun -m pentatron.pretrain.memory.measure",
+                "torchrun -m pentatron.pretrain.memory.measure"
             )
-        )
-        for bad, what, fix in refused:
-            if bad:
-                raise MemoryPlanError(f"{what}; fix: {fix}")
 
     @property
     def tp(self) -> int:
