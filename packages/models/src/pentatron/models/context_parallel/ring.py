@@ -81,7 +81,7 @@ def _ring_forward(q, k, v, scale: float, ring: _Ring, window=None, fused: bool =
 
 
 def _ring_backward(
-    q, k, v, out, lse, dout, scale: float, ring: _Ring, window=None, fused: bool = True
+    q, k, v, out, lse, dout, delta, scale: float, ring: _Ring, window=None, fused: bool = True
 ):
     """-> dq `[b, n, 2L, d]`, dk, dv `[b, g, 2L, d]` (fp32).
 
@@ -90,7 +90,6 @@ def _ring_backward(
     the accumulator sent at step i is waited for only when step i + 1 adds to it, so it
     overlaps the next block's computation too.
     """
-    delta = softmax_delta(dout, out)  # dout stays in its dtype for the GEMMs
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
     own = torch.zeros_like(kv, dtype=torch.float32)
@@ -144,12 +143,13 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
+        delta = softmax_delta(dout, out)  # dout stays in its dtype for the GEMMs
         dq, dk, dv = _ring_backward(
-            q, k, v, out, lse, dout, ctx.scale, ctx.ring, ctx.window, ctx.fused
+            q, k, v, out, lse, dout, delta, ctx.scale, ctx.ring, ctx.window, ctx.fused
         )
         dsinks = None
         if ctx.needs_input_grad[3]:
-            dsinks = sinks_grad(lse, softmax_delta(dout, out), sinks)
+            dsinks = sinks_grad(lse, delta, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
