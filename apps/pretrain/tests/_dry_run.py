@@ -136,6 +136,16 @@ LAYOUTS = {
             *("--use-distributed-optimizer", "--global-batch-size", "8"),
         ],
     ),
+    # world 4: hierarchical cp4 (a2a+p2p, 2 x 2: the all-to-all over cp pairs, the ring
+    # over the pairs on the grid's hcp groups) with ZeRO-1
+    "hcp4": (
+        4,
+        [
+            *("--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"),
+            *("--hierarchical-context-parallel-sizes", "2", "2"),
+            *("--use-distributed-optimizer", "--global-batch-size", "8"),
+        ],
+    ),
     # world 8: multi-latent attention with q latent, latent norms and YaRN at tp2 x pp2
     # (2 virtual stages) x dp2 with SP and ZeRO-1, and one MTP depth (the last stage's
     # embedding copy, its all-reduce over the embedding group, the rolled inputs)

@@ -1,7 +1,7 @@
 """Acceptance: the app trains a 4-layer GPT (GQA, RoPE, SwiGLU) for 5 steps with the same
 loss and grad norm (before clipping, every rank) at every step at one process, at
-cp2-tp2-dp2 with sequence parallelism (ring attention) and at cp2-pp2 (all-to-all
-attention): this proves get_batch's cp sharding and the loss and grad reduction over cp
+cp2-tp2-dp2 with sequence parallelism (ring attention), at cp2-pp2 (all-to-all
+attention) and at cp4 with hierarchical a2a+p2p (2 x 2): this proves get_batch's cp sharding and the loss and grad reduction over cp
 (gloo, fp32, mock data, the same seed; rtol 1e-6; measured 2026-12-05: at most 1.1e-7 on
 the norms, 8.7e-8 on the losses). Bad cp flags fail in validate_args with one clear line."""
 
@@ -46,6 +46,8 @@ CP2_TP2_DP2 = [
 ]
 CP2_PP2 = ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 CP2_PP2 += ["--cp-comm-type", "a2a"]
+HCP4 = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+HCP4 += ["--hierarchical-context-parallel-sizes", "2", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,32 @@ def test_cp2_pp2_matches_one_process(distributed, reference):
     _check(distributed.run(4, train_record, COMMON + CP2_PP2), reference, 2)
 
 
+def test_cp4_hierarchical_a2a_p2p_matches_one_process(distributed, reference):
+    """The all-to-all over cp rank pairs, the ring over the pairs (grid groups hcp0, hcp1)."""
+    _check(distributed.run(4, train_record, COMMON + HCP4), reference, 4)
+
+
 @pytest.mark.parametrize(
     "extra,match",
     [
+        (["--cp-comm-type", "a2a+p2p"], "needs --hierarchical-context-parallel-sizes"),
+        (
+            ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+            "hierarchical-context-parallel-sizes=2 2.*multiply to --context-parallel-size 2",
+        ),
+        (
+            [
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "1",
+                "--num-query-groups",
+                "1",
+            ],
+            "num-query-groups=1.*tp\\*2 = 2",
+        ),
+        (["--cp-comm-type", "p2p", "a2a"], "one type for every layer"),
         (
             ["--seq-length", "18", "--max-position-embeddings", "18"],
             "seq-length=18.*divisible by 2\\*cp",

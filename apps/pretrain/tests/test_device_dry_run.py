@@ -8,8 +8,8 @@ step, a checkpoint save) as chosen ranks of a fake world of 8
 (tp2 x pp2 with 2 virtual stages x dp2, SP, overlapped grad reduce and param gather; the
 same under ZBV's V with its second p2p group and the loss moved to the last rank) or 4
 (MoE: tp2 x ep2, all-to-all dispatcher, grouped GEMM; context parallelism: cp2 x tp2, the
-ring or the all-gather kind, with gpt-oss's sinks and windows), in bf16 (and fp16 with dynamic loss
-scaling at tp2-pp2-dp2) on `meta` tensors with
+ring or the all-gather kind, with gpt-oss's sinks and windows; hierarchical cp4, a2a+p2p),
+in bf16 (and fp16 with dynamic loss scaling at tp2-pp2-dp2) on `meta` tensors with
 torch's fake process group (`pentatron.parallel_state.testing.fake_device`). A rank
 fails on what fails or crawls on a GPU: a host tensor handed to a compute collective (the
 fake group rejects it with NCCL's error), a host tensor in a device op, an fp32 GEMM of
@@ -103,6 +103,20 @@ def test_context_parallel_step_runs_on_the_fake_gpu(tmp_path, kind):
         # 2 layers x 2 steps x 4 micro-batches (global batch 8 of 2, dp 1) x (cp = 2)
         # pairs, forward and backward
         assert r["cp_kernels"] == {"flash_cuda fwd": 32, "flash_cuda bwd": 32}, (rank, r)
+
+
+def test_hierarchical_cp_step_runs_on_the_fake_gpu(tmp_path):
+    """cp4 with a2a+p2p (2 x 2) and gpt-oss's sinks: the all-to-alls over the hcp0 group,
+    the ring's sends over hcp1, every block on CUDA's flash kernel: the 4 layers x 2 steps x
+    4 micro-batches x (ring size 2) pairs, forward and backward; ranks 0 and 3 are the two
+    ends of both levels."""
+    sinks = ["--softmax-type", "learnable", "--transformer-impl", "local"]
+    result = _ok(dry_run(tmp_path, "hcp4", "0,3", "none", *sinks))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
+        assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
+        assert r["cp_kernels"] == {"flash_cuda fwd": 64, "flash_cuda bwd": 64}, (rank, r)
 
 
 def test_mla_step_runs_on_the_fake_gpu(tmp_path):

@@ -6,7 +6,7 @@ backward (saved-tensor hooks, unique storages), and exactly for the layouts with
 the peak under the schedule within 10 %.
 MoE layouts route random tokens: the rows each rank's experts see vary with the data, but
 the calculator's mean (T*k per rank, no capacity factor) is what the ep group holds on
-average, so the 5 % bound holds per rank. Context parallelism: p2p (ring), all_gather and a2a.
+average, so the 5 % bound holds per rank. Context parallelism: p2p (ring), all_gather, a2a and hierarchical a2a+p2p.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ OSS += ["--softmax-type", "learnable", "--window-size", "7,0", "--window-attn-sk
 OSS += ["--transformer-impl", "local"]
 
 CP2_P2P = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+HCP4 = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+HCP4 += ["--hierarchical-context-parallel-sizes", "2", "2"]
 
 LAYOUTS = {
     1: {
@@ -272,6 +274,11 @@ LAYOUTS = {
         + ["--global-batch-size", "8"],
         "tp2-sp-cp2-p2p": BF16 + TP2_SP + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
         "mla-tp2-sp-cp2-p2p-bf16": BF16 + MLA + TP2_SP + CP2_P2P,
+        # hierarchical cp: the all-to-all over pairs, the ring over the 2 pairs
+        "cp4-a2a2-p2p2-bf16-gqa": BF16 + GQA + HCP4,
+        "oss-cp4-a2a2-p2p2": OSS + HCP4,
+        "mla-cp4-a2a2-p2p2-bf16": BF16 + MLA + HCP4,
+        "cp4-a2a2-p2p2-selective": [*HCP4, "--recompute-granularity", "selective"],
         # DeepSeek's kind: MLA, a dense first layer then MoE (a shared expert), MTP (a MoE
         # layer, like the last), ep2 with tp2 + SP
         "moe-mla-mtp-tp2-sp-ep2": BF16

@@ -49,7 +49,9 @@ KINDS = ("p2p", "all_gather", "a2a")
 SEQS = {2: (16, 12), 4: (16, 24)}  # per cp: a power of two and not, multiples of 2*cp
 
 
-def _config(cp: int, kind: str, **kw) -> TransformerConfig:
+def _config(cp: int, kind: str, sizes=None, **kw) -> TransformerConfig:
+    if sizes is not None:
+        kw["hierarchical_context_parallel_sizes"] = list(sizes)
     return TransformerConfig(
         num_layers=1,
         hidden_size=NQ * D,
@@ -87,10 +89,11 @@ def _reference(s: int, seed: int):
 VARIANTS = {"window3-sinks": (3, True), "sinks": (None, True), "window5": (5, False)}
 
 
-def _variant_config(cp: int, kind: str, window, sinks: bool) -> TransformerConfig:
+def _variant_config(cp: int, kind: str, window, sinks: bool, sizes=None) -> TransformerConfig:
     return _config(
         cp,
         kind,
+        sizes,
         softmax_type="learnable" if sinks else "vanilla",
         window_size=None if window is None else (window, 0),
     )
@@ -123,9 +126,19 @@ def _variant_reference(s: int, seed: int, window, sinks: bool):
     return out.detach().float(), *grads, a.grad.float() if sinks else None
 
 
-def _one_variant_case(grid, cp, kind, s, seed, window, sinks):
-    attn = DotProductAttention(_variant_config(cp, kind, window, sinks), 1, 1)
+def _sizes(grid, kind):
+    return grid.layout.hierarchical_cp if kind == "a2a+p2p" else None
+
+
+def _wire(attn, grid):
     attn.set_cp_group(grid.group("cp"))
+    attn.set_hierarchical_cp_groups(grid.hierarchical_cp_groups)
+    return attn
+
+
+def _one_variant_case(grid, cp, kind, s, seed, window, sinks):
+    config = _variant_config(cp, kind, window, sinks, _sizes(grid, kind))
+    attn = _wire(DotProductAttention(config, 1, 1), grid)
     if sinks:
         with torch.no_grad():
             attn.softmax_offset.copy_(_sink_values(seed))
@@ -140,8 +153,8 @@ def _one_variant_case(grid, cp, kind, s, seed, window, sinks):
 
 def _one_bf16_case(grid, cp, kind, s, seed):
     """The same attention in bf16 (the GEMMs' operands in bf16, sums in fp32)."""
-    attn = DotProductAttention(_config(cp, kind, params_dtype=torch.bfloat16), 1, 1)
-    attn.set_cp_group(grid.group("cp"))
+    config = _config(cp, kind, _sizes(grid, kind), params_dtype=torch.bfloat16)
+    attn = _wire(DotProductAttention(config, 1, 1), grid)
     rank = grid.rank("cp")
     q, k, v, dout = (shard_for_cp_rank(x, cp, rank, dim=0) for x in _inputs(s, seed))
     q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in (q, k, v))
@@ -152,8 +165,7 @@ def _one_bf16_case(grid, cp, kind, s, seed):
 
 def _one_case(grid, cp, kind, s, seed):
     rank = grid.rank("cp")
-    attn = DotProductAttention(_config(cp, kind), 1, 1)
-    attn.set_cp_group(grid.group("cp"))
+    attn = _wire(DotProductAttention(_config(cp, kind, _sizes(grid, kind)), 1, 1), grid)
     q, k, v, dout = (shard_for_cp_rank(x, cp, rank, dim=0) for x in _inputs(s, seed))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     with comm.trace() as fwd:
@@ -164,11 +176,15 @@ def _one_case(grid, cp, kind, s, seed):
         name: [(r.op, r.bytes) for r in led.records if r.group == "cp"]
         for name, led in (("fwd", fwd), ("bwd", bwd))
     }
+    for level in ("hcp0", "hcp1"):
+        for name, led in (("fwd", fwd), ("bwd", bwd)):
+            ledger[f"{name}-{level}"] = [(r.op, r.bytes) for r in led.records if r.group == level]
     return out.detach(), q.grad, k.grad, v.grad, ledger
 
 
-def _gpt_case(kind: str, state, data, overrides=None):
-    """GPTModel at cp2-tp2 with SP: per-token loss shard and grads (summed over cp)."""
+def _gpt_case(kind: str, state, data, overrides=None, tp=2, cp=2, hcp=None):
+    """GPTModel at cp2-tp2 with SP (or tp, cp and hierarchical cp sizes `hcp`): per-token
+    loss shard and grads (summed over cp)."""
     import dataclasses
 
     from _gpt import VOCAB, S, small_config
@@ -180,14 +196,15 @@ def _gpt_case(kind: str, state, data, overrides=None):
         sync_grads,
     )
 
-    grid = initialize_model_parallel(ParallelConfig(tp=2, cp=2))
+    grid = initialize_model_parallel(ParallelConfig(tp=tp, cp=cp, hierarchical_cp=hcp))
     try:
         config = dataclasses.replace(
             small_config(**(overrides or {})),
-            tensor_model_parallel_size=2,
-            sequence_parallel=True,
-            context_parallel_size=2,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            context_parallel_size=cp,
             cp_comm_type=kind,
+            hierarchical_context_parallel_sizes=None if hcp is None else list(hcp),
         )
         model = GPTModel(
             config,
@@ -198,7 +215,7 @@ def _gpt_case(kind: str, state, data, overrides=None):
             make_vocab_size_divisible_by=32,
         )
         load_full_state_dict(model, state)
-        ids, pos, labels = (shard_for_cp_rank(x, 2, grid.rank("cp")) for x in data)
+        ids, pos, labels = (shard_for_cp_rank(x, cp, grid.rank("cp")) for x in data)
         loss = model(ids, pos, labels=labels)
         loss.sum().backward()
         sync_grads(model)  # sequence-parallel norm grads: partial over tp
@@ -236,6 +253,33 @@ def _worker(cp: int, gpt_inputs=None, gpt_oss_inputs=None):
     return results
 
 
+HCP = ((2, 2), (1, 4), (4, 1))  # cp 4 as [all-to-all size, ring size]
+
+
+def _hierarchical_worker(gpt_inputs, gpt_oss_inputs):
+    """cp_comm_type="a2a+p2p" at cp 4 over each split of HCP: core attention (fp32 at
+    both sequence lengths, with the ledger), gpt-oss's variants and bf16 at (2, 2); a GPT
+    and gpt-oss at tp1-cp4 (2, 2)."""
+    results = {}
+    for sizes in HCP:
+        grid = initialize_model_parallel(ParallelConfig(cp=4, hierarchical_cp=sizes))
+        try:
+            for s in SEQS[4]:
+                results[(sizes, s)] = _one_case(grid, 4, "a2a+p2p", s, seed=s + 4)
+            if sizes == (2, 2):
+                s = SEQS[4][0]
+                results[(sizes, "bf16")] = _one_bf16_case(grid, 4, "a2a+p2p", s, s + 4)
+                for name, (window, sinks) in VARIANTS.items():
+                    one = _one_variant_case(grid, 4, "a2a+p2p", s, s + 4, window, sinks)
+                    results[(sizes, name)] = one
+        finally:
+            destroy_model_parallel(grid)
+    kw = dict(tp=1, cp=4, hcp=(2, 2))
+    results["gpt"] = _gpt_case("a2a+p2p", *gpt_inputs, **kw)
+    results["gpt-oss"] = _gpt_case("a2a+p2p", *gpt_oss_inputs, overrides=GPT_OSS, **kw)
+    return results
+
+
 def _gpt_reference(**overrides):
     """Full state, data (ids, pos, labels) [b, s], per-token loss and grads of loss.sum()."""
     from _gpt import build_reference, microbatches, small_config
@@ -265,6 +309,7 @@ def runs(distributed, gpt_reference, gpt_oss_reference):
     return {
         2: distributed.run(2, _worker, 2),
         4: distributed.run(4, _worker, 4, inputs, oss_inputs),
+        "hcp": distributed.run(4, _hierarchical_worker, inputs, oss_inputs),
     }
 
 
@@ -300,17 +345,17 @@ def test_variants_match_the_unfused_maths(runs, cp, kind, variant):
         torch.testing.assert_close(got, ref[4], **TOL, msg="the sinks' grad differs")
 
 
-def _assert_gpt_matches(per_rank, reference) -> dict:
+def _assert_gpt_matches(per_rank, reference, tp=2, cp=2) -> dict:
     from _gpt import small_config
 
     from pentatron.models import merge_shards
 
     _, _, ref_loss, ref_grads = reference
-    by_cp = {cp: next(r for r in per_rank if r[3] == cp and r[2] == 0) for cp in (0, 1)}
-    loss = gather_cp_shards([by_cp[0][0], by_cp[1][0]], dim=1)
+    by_cp = [next(r for r in per_rank if r[3] == c and r[2] == 0) for c in range(cp)]
+    loss = gather_cp_shards([r[0] for r in by_cp], dim=1)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     tp_ranks = sorted((r for r in per_rank if r[3] == 0), key=lambda r: r[2])
-    config = small_config(tensor_model_parallel_size=2)
+    config = small_config(tensor_model_parallel_size=tp)
     for name, ref in ref_grads.items():
         got = merge_shards(name, [r[1][name] for r in tp_ranks], config=config)
         torch.testing.assert_close(got[: ref.size(0)], ref, rtol=1e-4, atol=1e-5, msg=name)
@@ -356,6 +401,93 @@ def test_ledger(runs, cp, kind, s):
             want = [("all_to_all", q), ("all_to_all", kv // 2), ("all_to_all", kv // 2)]
             assert sorted(led["fwd"]) == sorted([*want, ("all_to_all", q)])
             assert sorted(led["bwd"]) == sorted(led["fwd"])
+
+
+@pytest.mark.parametrize("s", SEQS[4])
+@pytest.mark.parametrize("sizes", HCP, ids=lambda x: f"a2a{x[0]}-p2p{x[1]}")
+def test_hierarchical_attention_matches_full_sdpa(runs, sizes, s):
+    """a2a+p2p at cp 4, each split (the degenerate ones equal a2a and p2p): output and
+    q/k/v grads equal single-process SDPA on the full sequence."""
+    per_rank = [r[(sizes, s)] for r in runs["hcp"]]
+    ref = _reference(s, seed=s + 4)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = gather_cp_shards([r[i] for r in per_rank], dim=0)
+        torch.testing.assert_close(got, ref[i], **TOL, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("sizes", HCP, ids=lambda x: f"a2a{x[0]}-p2p{x[1]}")
+def test_hierarchical_ledger(runs, sizes):
+    """The all-to-alls run over the first level's group (q, k, v in and the output back,
+    each a [s/cp] tensor), the ring over the second's (p - 1 packed K/V blocks forward, as
+    many K/V plus dK/dV backward: a rank's block holds a times the tokens of n/a heads, so
+    the bytes of the flat ring's); nothing over the cp group itself."""
+    _a, p = sizes
+    s = SEQS[4][0]
+    kv, q = 2 * _block_bytes(s, 4, NG), _block_bytes(s, 4, NQ)
+    for r in runs["hcp"]:
+        led = r[(sizes, s)][4]
+        assert led["fwd"] == led["bwd"] == []
+        a2a = [("all_to_all", q), ("all_to_all", q), *[("all_to_all", kv // 2)] * 2]
+        for way in ("fwd", "bwd"):
+            assert sorted(led[f"{way}-hcp0"]) == sorted(a2a), way
+        assert [o for o in led["fwd-hcp1"] if o[0] == "send"] == [("send", kv)] * (p - 1)
+        assert [o for o in led["bwd-hcp1"] if o[0] == "send"] == [("send", kv)] * (2 * (p - 1))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_hierarchical_variants_match_the_unfused_maths(runs, variant):
+    """gpt-oss's sinks (each all-to-all rank applies its heads' part) and windows (the
+    ring masks by global positions, which its layout of super-chunks keeps) at a2a2-p2p2."""
+    window, sinks = VARIANTS[variant]
+    s = SEQS[4][0]
+    ref = _variant_reference(s, s + 4, window, sinks)
+    per_rank = [r[((2, 2), variant)] for r in runs["hcp"]]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = gather_cp_shards([r[i] for r in per_rank], dim=0)
+        torch.testing.assert_close(got, ref[i], **TOL, msg=f"{name} differs")
+    if sinks:
+        got = torch.stack([r[4] for r in per_rank]).sum(0)
+        torch.testing.assert_close(got, ref[4], **TOL, msg="the sinks' grad differs")
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt-oss"])
+def test_gpt_hierarchical_cp4_matches_one_process(runs, gpt_reference, gpt_oss_reference, model):
+    """A 4-layer GPT (and gpt-oss: sinks, windows) at tp1-cp4 with a2a+p2p (2, 2) gives the
+    single-process per-token losses and parameter grads."""
+    reference = gpt_reference if model == "gpt" else gpt_oss_reference
+    _assert_gpt_matches([r[model] for r in runs["hcp"]], reference, tp=1, cp=4)
+
+
+def test_hierarchical_bad_input_errors():
+    """Sizes that do not fit the kind or the grid fail before any collective."""
+    with pytest.raises(ModelConfigError, match="two levels"):
+        _config(4, "a2a+p2p")
+    with pytest.raises(ModelConfigError, match="multiply to context_parallel_size=4"):
+        _config(4, "a2a+p2p", (2, 3))
+    with pytest.raises(ModelConfigError, match=r"tp\*4 = 4"):
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=48,
+            num_attention_heads=6,
+            context_parallel_size=8,
+            cp_comm_type="a2a+p2p",
+            hierarchical_context_parallel_sizes=[4, 2],
+        )
+    attn = DotProductAttention(_config(4, "a2a+p2p", (2, 2)), 1, 1)
+    attn.set_cp_group(object())  # no hierarchical groups handed in
+    q, k = torch.zeros(8, 1, NQ, D), torch.zeros(8, 1, NG, D)
+    with pytest.raises(ModelConfigError, match="hierarchical cp groups"):
+        attn(q, k, k)
+    # a grid split otherwise than the config (checked when a model is built on it)
+    from types import SimpleNamespace
+
+    from pentatron.models.parallel import ModelParallel
+
+    grid = SimpleNamespace(layout=SimpleNamespace(hierarchical_cp=(4, 1)))
+    par = ModelParallel(grid, None, 1, 0, 1, 0, None, None, cp_size=4)  # type: ignore[arg-type]
+    with pytest.raises(ModelConfigError, match=r"hierarchical_cp=\(2, 2\)"):
+        par.check(_config(4, "a2a+p2p", (2, 2)))
+    par.check(_config(4, "a2a+p2p", (4, 1)))
 
 
 def test_sharding_round_trip_and_batch():

@@ -79,3 +79,40 @@ def test_bad_layout_fails_on_every_rank_before_any_group(distributed, kwargs, wo
     results = distributed.run(8, _bad_init, kwargs)
     assert all(msg is not None and word in msg for msg, _ in results), results
     assert all(created == 0 for _, created in results)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "words"),
+    [
+        ((2, 3), ["hierarchical_cp=(2, 3)", "cp=4", "multiply to cp", "fix"]),
+        ((), ["non-empty tuple", "fix"]),
+        ([2, 2], ["non-empty tuple"]),
+        ((4, 0), ["hierarchical_cp entry=0", "positive"]),
+    ],
+)
+def test_bad_hierarchical_cp(sizes, words):
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig(cp=4, hierarchical_cp=sizes)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_hierarchical_cp_rank_lists_follow_megatron():
+    """Megatron's create_hierarchical_groups, written out for the test: level 0 joins
+    consecutive members of each cp group, level 1 members a level-0 size apart."""
+    from pentatron.parallel_state import GridLayout
+
+    grid = GridLayout(ParallelConfig(tp=2, cp=4, hierarchical_cp=(2, 2)).resolve(8))
+    assert grid.families["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid.hierarchical_cp == [
+        [[0, 2], [4, 6], [1, 3], [5, 7]],
+        [[0, 4], [2, 6], [1, 5], [3, 7]],
+    ]
+    three = GridLayout(ParallelConfig(cp=8, hierarchical_cp=(2, 2, 2)).resolve(8))
+    assert three.hierarchical_cp[2] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert three.hierarchical_cp[1] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # every level's groups partition the world, and one group of each level meets the
+    # others' in exactly one rank (the levels are the axes of a grid over the cp group)
+    for level in three.hierarchical_cp:
+        assert sorted(r for g in level for r in g) == list(range(8))
+    assert GridLayout(ParallelConfig(cp=2).resolve(2)).hierarchical_cp == []

@@ -139,3 +139,26 @@ def test_twin_group(distributed):
         assert total == sum(ranks)
         assert (on_pp, on_twin) == (20.0 + peer, 10.0 + peer)
     assert sum("'pp-twin'" in r[-1] for r in results) == 2, [r[-1] for r in results]
+
+
+def _hierarchical_cp():
+    grid = initialize_model_parallel(ParallelConfig(tp=2, cp=4, hierarchical_cp=(2, 2)))
+    sums = []
+    for group in accessors.get_hierarchical_context_parallel_groups():
+        x = torch.tensor([float(dist.get_rank())], dtype=torch.float64)
+        comm.all_reduce(x, group=group)
+        sums.append((x.item(), dist.get_process_group_ranks(group), comm.group_name(group)))
+    return sums, grid.ranks("cp")
+
+
+def test_hierarchical_cp_groups(distributed):
+    """Each level's group holds the ranks of GridLayout.hierarchical_cp and sums over them."""
+    results = distributed.run(8, _hierarchical_cp)
+    for rank, (sums, cp_ranks) in enumerate(results):
+        assert len(sums) == 2
+        (a2a_sum, a2a, name0), (p2p_sum, p2p, name1) = sums
+        assert (name0, name1) == ("hcp0", "hcp1")
+        i = cp_ranks.index(rank)
+        assert a2a == cp_ranks[i - i % 2 :][:2]  # consecutive cp members
+        assert p2p == cp_ranks[i % 2 :: 2]  # members 2 apart
+        assert (a2a_sum, p2p_sum) == (sum(a2a), sum(p2p))

@@ -229,7 +229,18 @@ def _parallel(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["p2p"],
         choices=["p2p", "allgather", "all_gather", "a2a", "a2a+p2p"],
-        help="one type for every layer (Megatron's per-layer list is accepted when all agree)",
+        help="one type for every layer (Megatron's per-layer list is accepted when all agree); "
+        "a2a+p2p: all-to-all over the first level of --hierarchical-context-parallel-sizes, "
+        "the ring over the second",
+    )
+    g.add_argument(
+        "--hierarchical-context-parallel-sizes",
+        nargs="+",
+        type=int,
+        default=None,
+        help="sizes of the cp levels, the first over adjacent cp ranks: '2 4' = all-to-all "
+        "over pairs (inside a node), the ring over the 4 pairs; their product is "
+        "--context-parallel-size",
     )
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: tp")

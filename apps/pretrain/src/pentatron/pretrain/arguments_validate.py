@@ -10,6 +10,7 @@ compile_backend.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 
@@ -56,12 +57,13 @@ def _megatron_forms(args: argparse.Namespace) -> None:
     model cannot do."""
     kinds = set(args.cp_comm_type) if isinstance(args.cp_comm_type, list) else {args.cp_comm_type}
     kinds = {"all_gather" if k == "allgather" else k for k in kinds}
-    if len(kinds) != 1 or "a2a+p2p" in kinds:
+    if len(kinds) != 1:
         _fail(
             "cp-comm-type",
             " ".join(args.cp_comm_type),
-            "one type for every layer, p2p, allgather or a2a (hierarchical a2a+p2p is not built)",
-            "pass one of p2p, allgather, a2a",
+            "one type for every layer, p2p, allgather, a2a or a2a+p2p (a per-layer mix is "
+            "not built)",
+            "pass one of them",
         )
     args.cp_comm_type = kinds.pop()
     if args.recompute_activations:
@@ -147,6 +149,7 @@ def _context_parallel(args: argparse.Namespace) -> None:
     """cp rules: the sequence splits into 2*cp chunks (and each over tp with SP); a2a
     shards heads and groups over tp*cp; no attention dropout or custom masks."""
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    a2a = _hierarchical_cp(args, cp)
     if cp == 1:
         return
     split = 2 * cp * (tp if args.sequence_parallel else 1)
@@ -159,17 +162,19 @@ def _context_parallel(args: argparse.Namespace) -> None:
             "(load-balanced causal chunks)",
             f"pick a multiple of {split}",
         )
-    if args.cp_comm_type == "a2a":
+    if a2a > 1:
+        over = f"tp*cp = {tp * cp}" if args.cp_comm_type == "a2a" else f"tp*{a2a} = {tp * a2a}"
         for flag, value in (
             ("num-attention-heads", args.num_attention_heads),
             ("num-query-groups", args.num_query_groups),
         ):
-            if value % (tp * cp):
+            if value % (tp * a2a):
                 _fail(
                     flag,
                     value,
-                    f"--cp-comm-type a2a shards heads and groups over tp*cp = {tp * cp}",
-                    "use --cp-comm-type p2p or all_gather, or a cp that divides them",
+                    f"--cp-comm-type {args.cp_comm_type} shards heads and groups over {over}",
+                    "use --cp-comm-type p2p or all_gather, or a cp (with a2a+p2p: a first "
+                    "hierarchical size) that divides them",
                 )
     if args.attention_dropout > 0:
         _fail(
@@ -178,6 +183,32 @@ def _context_parallel(args: argparse.Namespace) -> None:
             "context-parallel attention has no attention dropout",
             "pass --attention-dropout 0",
         )
+
+
+def _hierarchical_cp(args: argparse.Namespace, cp: int) -> int:
+    """Megatron's rules: the sizes multiply to cp; a2a+p2p needs them (two levels here, as
+    in Transformer Engine). -> the ranks one all-to-all spans (cp for a2a, 1 for the
+    kinds without one)."""
+    sizes = args.hierarchical_context_parallel_sizes
+    if sizes is not None and (any(x < 1 for x in sizes) or math.prod(sizes) != cp):
+        _fail(
+            "hierarchical-context-parallel-sizes",
+            " ".join(map(str, sizes)),
+            f"the sizes are positive and multiply to --context-parallel-size {cp}",
+            f"pass sizes whose product is {cp}, e.g. 2 {max(cp // 2, 1)}",
+        )
+    if args.cp_comm_type != "a2a+p2p":
+        return cp if args.cp_comm_type == "a2a" else 1
+    if sizes is None or len(sizes) != 2:
+        _fail(
+            "cp-comm-type",
+            "a2a+p2p",
+            "needs --hierarchical-context-parallel-sizes with two sizes: the all-to-all's "
+            "and the ring's",
+            f"add --hierarchical-context-parallel-sizes 2 {max(cp // 2, 1)} (their product "
+            f"is --context-parallel-size {cp})",
+        )
+    return sizes[0]
 
 
 def _virtual_stages(args: argparse.Namespace) -> None:
@@ -726,7 +757,7 @@ def _compile(args: argparse.Namespace) -> None:
             )
         return
     args.compile_backend = args.compile_backend or "inductor"
-    cp_ring = args.context_parallel_size > 1 and args.cp_comm_type == "p2p"
+    cp_ring = args.context_parallel_size > 1 and args.cp_comm_type in ("p2p", "a2a+p2p")
     refused = [
         (
             "enable-cuda-graph",
@@ -750,7 +781,7 @@ def _compile(args: argparse.Namespace) -> None:
         ),
         (
             "cp-comm-type",
-            "p2p" if cp_ring else None,
+            args.cp_comm_type if cp_ring else None,
             "the ring's send/recv of k/v chunks is not traceable (graph breaks at every step)",
             "use --cp-comm-type all_gather or a2a",
         ),

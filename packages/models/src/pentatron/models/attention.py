@@ -83,6 +83,7 @@ class DotProductAttention(torch.nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.cp_group = cp_group
+        self.hierarchical_cp_groups: list[Any] | None = None  # "a2a+p2p": [a2a, ring]
         d, groups = config.kv_channels, config.num_query_groups
         assert d is not None and groups is not None, "TransformerConfig.__post_init__ fills them"
         self.groups_per_rank = divide(groups, tp_size, "num_query_groups")
@@ -123,20 +124,31 @@ class DotProductAttention(torch.nn.Module):
         """The process group of the cp ranks (used when context_parallel_size > 1)."""
         self.cp_group = group
 
+    def set_hierarchical_cp_groups(self, groups: list[Any]) -> None:
+        """cp_comm_type="a2a+p2p"'s [all-to-all group, ring group] (the grid's
+        `hierarchical_cp_groups`)."""
+        self.hierarchical_cp_groups = list(groups)
+
+    def _cp_groups(self) -> Any:
+        if self.config.cp_comm_type == "a2a+p2p" and self.cp_group is not None:
+            return self.hierarchical_cp_groups
+        return self.cp_group
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Any = None
     ) -> torch.Tensor:
         s, b = q.shape[:2]
         if self.config.context_parallel_size > 1:
             p = self.config.attention_dropout if self.training else 0.0
-            check_cp_inputs(self.config, self.cp_group, s, attention_mask, p)
+            group = self._cp_groups()
+            check_cp_inputs(self.config, group, s, attention_mask, p)
             d_v = v.size(-1)
             if d_v != k.size(-1):
                 # MLA: v's head dim (d_v) differs from q/k's (d_qk + d_pe); the cp kernels
                 # move K and V as one block, so V travels zero-padded to k's dim, and the
                 # padded output columns (attention-weighted zeros) are dropped.
                 v = torch.nn.functional.pad(v, (0, k.size(-1) - d_v))
-                out = context_parallel_attention(q, k, v, self.scale, self.config, self.cp_group)
+                out = context_parallel_attention(q, k, v, self.scale, self.config, group)
                 return out.view(s, b, -1, k.size(-1))[..., :d_v].reshape(s, b, -1)
             return context_parallel_attention(
                 q,
@@ -144,7 +156,7 @@ class DotProductAttention(torch.nn.Module):
                 v,
                 self.scale,
                 self.config,
-                self.cp_group,
+                group,
                 sinks=self.softmax_offset,
                 window=self.window,
             )

@@ -175,7 +175,10 @@ class TransformerConfig:
     num_layers_in_last_pipeline_stage: int | None = None
     # --- context parallelism (validated in config_checks.check_context_parallel) ---
     context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"  # "p2p" (ring) | "all_gather" | "a2a" (Ulysses)
+    cp_comm_type: str = "p2p"  # "p2p" (ring) | "all_gather" | "a2a" (Ulysses) | "a2a+p2p"
+    # "a2a+p2p": [a2a size, p2p size], a2a over consecutive cp ranks (inside a node), the
+    # ring over the rest; the grid's ParallelConfig.hierarchical_cp holds the same sizes
+    hierarchical_context_parallel_sizes: list[int] | None = None
     # --- Mixture of Experts (validated in config_checks.check_moe); None: dense ---
     num_moe_experts: int | None = None
     moe_layer_freq: int | list[int] = 1  # every n-th layer is MoE, or a 0/1 list per layer

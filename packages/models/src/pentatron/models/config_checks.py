@@ -6,9 +6,10 @@ Kept apart from `config.py` so the dense checks stay one screen each; every chec
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
@@ -218,19 +219,56 @@ def check_context_parallel(c: Any) -> None:
             "use attention_backend='auto' or 'flash' (or 'unfused'), or cp_comm_type='a2a', "
             "whose attention is one SDPA call",
         )
-    if cp > 1 and c.cp_comm_type == "a2a":
-        split = c.tensor_model_parallel_size * cp
+    a2a = _check_hierarchical_cp(c, cp)
+    if cp > 1 and a2a > 1:
+        split = c.tensor_model_parallel_size * a2a
         for name in ("num_attention_heads", "num_query_groups"):
             value = getattr(c, name)
             if value % split:
                 fail(
                     name,
                     value,
-                    f"cp_comm_type='a2a' shards heads over tp*cp = {split}, so {name} must be "
-                    "a multiple of it",
-                    "use cp_comm_type='p2p' or 'all_gather', or a context_parallel_size that "
-                    f"divides {name} / tp",
+                    f"cp_comm_type={c.cp_comm_type!r} shards heads over tp*{a2a} = {split} "
+                    f"(tp times the all-to-all's size), so {name} must be a multiple of it",
+                    "use cp_comm_type='p2p' or 'all_gather', or a context_parallel_size (with "
+                    f"a2a+p2p, an all-to-all size) that divides {name} / tp",
                 )
+
+
+def _check_hierarchical_cp(c: Any, cp: int) -> int:
+    """The sizes of "a2a+p2p" -> how many ranks its all-to-all spans (cp for "a2a", 1 for
+    the others)."""
+    sizes = c.hierarchical_context_parallel_sizes
+    if sizes is not None:
+        if (
+            not isinstance(sizes, (list, tuple))
+            or not sizes
+            or any(not isinstance(x, int) or x < 1 for x in sizes)
+        ):
+            fail(
+                "hierarchical_context_parallel_sizes",
+                sizes,
+                "a list of positive sizes, one per level",
+                f"e.g. [2, {max(cp // 2, 1)}] for context_parallel_size={cp}",
+            )
+        if math.prod(sizes) != cp:
+            fail(
+                "hierarchical_context_parallel_sizes",
+                sizes,
+                f"the levels' sizes multiply to context_parallel_size={cp} "
+                f"(here {math.prod(sizes)})",
+                f"sizes whose product is {cp}",
+            )
+    if c.cp_comm_type != "a2a+p2p":
+        return cp if c.cp_comm_type == "a2a" else 1
+    if sizes is None or len(sizes) != 2:
+        fail(
+            "hierarchical_context_parallel_sizes",
+            sizes,
+            "cp_comm_type='a2a+p2p' takes two levels, [all-to-all size, ring size]",
+            f"e.g. [2, {max(cp // 2, 1)}] for context_parallel_size={cp}",
+        )
+    return sizes[0]
 
 
 def check_moe(c: Any) -> None:

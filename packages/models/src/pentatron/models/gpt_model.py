@@ -168,6 +168,11 @@ class GPTModel(torch.nn.Module):
             owners: list[Any] = [m for m in self.mtp.modules() if hasattr(m, "set_cp_group")]
             for module in owners:
                 module.set_cp_group(group)
+        if self.config.cp_comm_type == "a2a+p2p":
+            levels = self.parallel.grid.hierarchical_cp_groups if self.parallel.grid else []
+            owners = [m for m in self.modules() if hasattr(m, "set_hierarchical_cp_groups")]
+            for module in owners:
+                module.set_hierarchical_cp_groups(levels)
         if self.decoder.layers and not attentions:
             raise ModelConfigError(
                 f"context_parallel_size={self.config.context_parallel_size} but the layer "

@@ -77,6 +77,7 @@ class ModelParallel:
                     f"grid the model is built on; fix: set {name}={got} (or build the grid "
                     f"with {want})"
                 )
+        self._check_hierarchical_cp(config)
         chunks = config.virtual_pipeline_model_parallel_size or 1
         if self.vp_stage is not None and not 0 <= self.vp_stage < chunks:
             raise ModelConfigError(
@@ -88,6 +89,20 @@ class ModelParallel:
                 f"vp_stage=None with virtual_pipeline_model_parallel_size={chunks}: the rule: "
                 "each chunk knows its virtual stage; fix: pass vp_stage=0..vpp-1 "
                 "(or use build_model_chunks)"
+            )
+
+    def _check_hierarchical_cp(self, config: TransformerConfig) -> None:
+        if config.cp_comm_type != "a2a+p2p" or self.cp_size == 1 or self.grid is None:
+            return
+        want = config.hierarchical_context_parallel_sizes
+        got = self.grid.layout.hierarchical_cp
+        if want is None or got is None or tuple(want) != tuple(got):
+            raise ModelConfigError(
+                f"cp_comm_type='a2a+p2p' with hierarchical_context_parallel_sizes={want} but "
+                f"the grid's hierarchical_cp is {got}; the rule: the attention runs over the "
+                "grid's hierarchical cp groups; fix: build the grid with "
+                f"ParallelConfig(cp={self.cp_size}, hierarchical_cp={tuple(want or ())}) "
+                "(or set the config's sizes to the grid's)"
             )
 
     @property

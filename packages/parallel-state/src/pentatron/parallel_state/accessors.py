@@ -61,6 +61,11 @@ def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> A
     return get_default_grid().group("tp-dp-cp" if with_context_parallel else "tp-dp")
 
 
+def get_hierarchical_context_parallel_groups() -> list[Any]:
+    """This rank's group at each level of `ParallelConfig.hierarchical_cp` ([] without)."""
+    return list(get_default_grid().hierarchical_cp_groups)
+
+
 def get_embedding_group() -> Any:
     return get_default_grid().group("embedding")
 
@@ -106,6 +111,7 @@ ACCESSORS = sorted(
             (
                 "get_data",
                 "get_tensor_and_data",
+                "get_hierarchical",
                 "get_embedding",
                 "get_position",
                 "is_pipeline",

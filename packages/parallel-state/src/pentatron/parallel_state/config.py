@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from math import prod
 
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 """Tokens an `order` string may contain, one per grid dimension."""
@@ -58,6 +59,9 @@ class ParallelConfig:
     dp: int | None = None  # data_parallel_size; None means "derive from the world size"
     order: str = DEFAULT_ORDER
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=10))
+    # hierarchical_context_parallel_sizes: each cp group split into levels, the first the
+    # fastest-varying (consecutive cp ranks), e.g. (2, 4) = cp pairs inside, then groups of 4
+    hierarchical_cp: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
@@ -78,10 +82,29 @@ class ParallelConfig:
                     f"order={self.order!r} lacks {name!r} but {name}={size}; the rule: every "
                     f"dimension larger than 1 must be placed in the order; fix: add {name!r}"
                 )
+        self._check_hierarchical_cp()
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ParallelConfigError(
                 f"timeout={self.timeout!r}: must be a positive datetime.timedelta; "
                 "fix: e.g. timeout=timedelta(minutes=10)"
+            )
+
+    def _check_hierarchical_cp(self) -> None:
+        sizes = self.hierarchical_cp
+        if sizes is None:
+            return
+        if not isinstance(sizes, tuple) or not sizes:
+            raise ParallelConfigError(
+                f"hierarchical_cp={sizes!r}: must be a non-empty tuple of sizes; fix: e.g. "
+                f"hierarchical_cp=(2, {max(self.cp // 2, 1)}) for cp={self.cp}"
+            )
+        for size in sizes:
+            _positive("hierarchical_cp entry", size)
+        if prod(sizes) != self.cp:
+            raise ParallelConfigError(
+                f"hierarchical_cp={sizes} with cp={self.cp}: the rule: the levels' sizes "
+                f"multiply to cp (here {prod(sizes)}); fix: sizes whose product is {self.cp}, "
+                "or hierarchical_cp=None"
             )
 
     @property
@@ -121,6 +144,7 @@ class ParallelConfig:
             edp=world_size // expert,
             vpp=self.vpp,
             order=self.order,
+            hierarchical_cp=self.hierarchical_cp,
         )
 
 
@@ -137,6 +161,7 @@ class ResolvedLayout:
     edp: int
     vpp: int | None
     order: str
+    hierarchical_cp: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:

@@ -57,6 +57,9 @@ class ProcessGrid:
         (flags agreed between ranks, barriers around file writes, object broadcasts)."""
         self._groups = groups
         self._twins: dict[str, Any] = {}
+        self.hierarchical_cp_groups: list[Any] = []
+        """This rank's group at each level of `config.hierarchical_cp` (Megatron's
+        `get_hierarchical_context_parallel_groups`), level 0 first; [] without it."""
         self.virtual_pipeline_rank: int | None = 0 if layout.vpp else None
 
     # --- per-family queries ------------------------------------------------------------
@@ -193,12 +196,29 @@ def initialize_model_parallel(
             if rank in ranks:
                 groups[name] = group
                 comm.register_group_name(group, name)
+    hierarchical = _hierarchical_cp_groups(grid_layout, rank, choice, config.timeout)
     host_group = _host_group(choice, config.timeout)
     grid = ProcessGrid(config, layout, grid_layout, rank, groups, choice, device, host_group)
+    grid.hierarchical_cp_groups = hierarchical
     if set_default:
         global _DEFAULT
         _DEFAULT = grid
     return grid
+
+
+def _hierarchical_cp_groups(
+    grid: GridLayout, rank: int, choice: DeviceChoice, timeout: timedelta
+) -> list[Any]:
+    """Every level's groups made (collective: every rank, every group, one order); this
+    rank's group of each level, named "hcp<level>" in collective errors."""
+    mine = []
+    for level, groups in enumerate(grid.hierarchical_cp):
+        for ranks in groups:
+            group = dist.new_group(ranks=ranks, timeout=timeout, backend=choice.backend)
+            if rank in ranks:
+                mine.append(group)
+                comm.register_group_name(group, f"hcp{level}")
+    return mine
 
 
 def _host_group(choice: DeviceChoice, timeout: timedelta) -> Any:
@@ -218,7 +238,7 @@ def destroy_model_parallel(grid: ProcessGrid | None = None) -> None:
     if grid is None:
         return
     seen = set()
-    for group in [*grid._groups.values(), *grid._twins.values()]:
+    for group in [*grid._groups.values(), *grid._twins.values(), *grid.hierarchical_cp_groups]:
         if id(group) in seen:
             continue
         seen.add(id(group))
@@ -226,6 +246,7 @@ def destroy_model_parallel(grid: ProcessGrid | None = None) -> None:
         dist.destroy_process_group(group)
     grid._groups.clear()
     grid._twins.clear()
+    grid.hierarchical_cp_groups = []
     host = grid.host_group
     if host is not None and host is not dist.group.WORLD and id(host) not in seen:
         comm.forget_group(host)

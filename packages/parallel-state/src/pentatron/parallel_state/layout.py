@@ -81,6 +81,29 @@ class GridLayout:
         out["position-embedding"] = [[g[0]] for g in out["pp"]]
         return out
 
+    @cached_property
+    def hierarchical_cp(self) -> list[list[list[int]]]:
+        """Per level of `layout.hierarchical_cp`, every group of that level ([] without it).
+
+        Megatron's `create_hierarchical_groups` on each cp group `ranks` with sizes
+        (a, b, ...): level 0 joins a consecutive members (ranks[k a : k a + a]), level 1
+        joins b members a apart, and so on; e.g. cp ranks [0, 2, 4, 6] with (2, 2) give
+        level 0 [0, 2], [4, 6] and level 1 [0, 4], [2, 6].
+        """
+        sizes = self.layout.hierarchical_cp
+        if not sizes:
+            return []
+        levels: list[list[list[int]]] = [[] for _ in sizes]
+        for ranks in self.families["cp"]:
+            below = 1  # the members' stride at this level: the sizes of the levels below
+            for level, size in enumerate(sizes):
+                span = below * size
+                for base in range(0, len(ranks), span):
+                    for j in range(below):
+                        levels[level].append([ranks[base + j + i * below] for i in range(size)])
+                below = span
+        return levels
+
     def ranks(self, name: str, rank: int) -> list[int] | None:
         """The group of `name` that holds `rank`, or None (embedding groups skip middle stages)."""
         for group in self.families[canonical(name)]:

@@ -319,7 +319,11 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
       RoPE's outputs and the QKV output are not kept; SDPA keeps q, k, v (with GQA k, v
       at ng/cp heads, repeated to nq/cp for heads over 256 dims and fp32 on CUDA), its
       output, log-sum-exp, and the two int64 orderings `16 s`;
-      linear_proj keeps the exchanged-back output `e sb nq d`.
+      linear_proj keeps the exchanged-back output `e sb nq d`;
+    - a2a+p2p: the all-to-all's exchanged and re-ordered q, k, v go to the ring, which
+      keeps them (`e sb (nq + 2 ng) d`: a times the tokens at 1/a of the heads), its
+      output and lse as p2p's; nothing keeps the QKV output or RoPE's copies, as a2a;
+      linear_proj keeps the exchanged-back output.
     Bytes of [s, nq/cp] tensors equal those of [s/cp, nq]. Selective recompute: see
     `_attention_terms`."""
     c, cp = plan.config, plan.cp
@@ -329,6 +333,8 @@ def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
         kv = ng if _grouped_kv(plan, nq // ng, d) else nq  # heads of k and v
         core = e * sb * (2 * nq + 2 * kv) * d + lse + 16 * sb // b * cp  # q, k, v, out
         return 0, core + e * sb * nq * d
+    if c.cp_comm_type == "a2a+p2p":  # the ring's q, k, v, out: exchanged copies
+        return 0, e * sb * (nq + 2 * ng) * d + 2 * e * sb * nq * d + lse
     att = e * sb * (nq + 2 * ng) * d + (e * sb * (nq + ng) * d if rope else 0)
     return att, 2 * e * sb * nq * d + lse
 

@@ -26,7 +26,13 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         ep=args.expert_model_parallel_size,
         etp=args.expert_tensor_parallel_size,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        hierarchical_cp=_hierarchical_cp(args),
     )
+
+
+def _hierarchical_cp(args: argparse.Namespace) -> tuple[int, ...] | None:
+    sizes = args.hierarchical_context_parallel_sizes
+    return None if sizes is None else tuple(sizes)
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -88,6 +94,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_placement="v" if getattr(args, "pipeline_schedule", None) == "zbv" else "loop",
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,
