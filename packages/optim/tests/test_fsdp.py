@@ -6,6 +6,10 @@ joined) with plain torch autograd of the whole batch at the same params (||got -
 params with one process trained on the whole batch. Adam is scale-invariant, so the params
 alone would pass a gradient scaled by a constant; the grads do not
 (`test_a_planted_bug_fails_the_comparison`). Layer sizes are odd, so FSDP2 pads its shards.
+Grad accumulation over 2 micro-batches: by default each micro-batch reduce-scatters, so
+between them a rank holds only its fp32 grad shards (bytes counted from FSDP2's state);
+with `defer_reduce=True` it holds every param's unsharded fp32 grad and nothing is reduced
+until the last one (the behaviour before optim 0.1.7, which the default case fails).
 
 Tolerances, from the largest error measured on 2026-12-05 and, for the grads, 2026-12-07
 (both ranks, every case and step; PENTATRON_MEASURE=1 prints them):
@@ -113,11 +117,12 @@ def run_fsdp(case, grid):
         grid.group("dp-cp"),
         param_dtype=case.get("param_dtype"),
         reshard_after_forward=case.get("reshard", True),
+        defer_reduce=case.get("defer", False),
     )
     assert isinstance(model, FSDP2DataParallel)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     micro = case.get("micro", 1)
-    synced_early = False
+    synced_early, held = False, 0
     # this rank's shards, joined over the ranks by the test: params before each step,
     # the reduced grads of each step
     before, grads = [], []
@@ -130,8 +135,9 @@ def run_fsdp(case, grid):
             with ctx:
                 out = model(xm).float()
                 microbatch_loss(torch.nn.functional.mse_loss(out, ym), micro).backward()
-            if i < micro - 1:  # no reduce-scatter yet: the sharded grads are not written
+            if i < micro - 1:  # reduce-scattered already (default), or held unsharded
                 synced_early |= any(p.grad is not None for p in model.parameters())
+                held = max(held, _grad_bytes_held(model))
         model.finish_grad_sync()
         grads.append(_local(p.grad for p in model.parameters()))
         opt.step()
@@ -146,9 +152,24 @@ def run_fsdp(case, grid):
         "local": local,
         "kinds": kinds,
         "synced_early": synced_early,
+        "held": held,
         "before": before,
         "grads": grads,
     }
+
+
+def _grad_bytes_held(model) -> int:
+    """Bytes of grads the model holds between micro-batches: its sharded grads and any
+    unsharded ones FSDP2 keeps for a deferred reduce-scatter (FSDP2-private state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = sum(p.grad.to_local().nbytes for p in model.parameters() if p.grad is not None)
+    for m in model.module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            for g in (fp.unsharded_accumulated_grad, fp._unsharded_param.grad):
+                total += g.nbytes if g is not None else 0
+    return total
 
 
 def _joined(shards_per_rank):
@@ -190,6 +211,7 @@ def check_against_reference(case, per_rank, ref, errors=None):
 CASES = [
     dict(),
     dict(reshard=False, micro=2),
+    dict(micro=2, defer=True),
     dict(param_dtype=torch.bfloat16),
 ]
 
@@ -212,9 +234,16 @@ def test_fsdp2_matches_single_process(distributed):
     if MEASURE:
         print(f"\nmeasured max errors: {measured}")
     for rank, per_case in enumerate(results):
-        for got in per_case:
+        for case, got in zip(CASES, per_case):
             assert got["kinds"] == {DTensor.__name__}
-            assert not got["synced_early"]
+            if case.get("micro", 1) > 1:  # grad accumulation's memory between micro-batches
+                local = sum(got["local"]) * 4  # this rank's fp32 grad shards
+                if case.get("defer"):  # unsharded fp32 grads of every param, not reduced
+                    assert not got["synced_early"]
+                    assert got["held"] == sum(p.numel() for p in ref) * 4
+                else:  # each micro-batch reduce-scattered: only this rank's shards
+                    assert got["synced_early"]
+                    assert got["held"] == local
             # each rank keeps ceil(n/2) rows of every param (dim 0 sharded, padded)
             assert got["local"] == [
                 -(-p.shape[0] // 2) * p[0].numel()
@@ -222,7 +251,7 @@ def test_fsdp2_matches_single_process(distributed):
                 else (p.shape[0] - (-(-p.shape[0] // 2))) * p[0].numel()
                 for p in ref
             ]
-    bf16 = _joined(per_case[2]["params"] for per_case in results)
+    bf16 = _joined(per_case[3]["params"] for per_case in results)
     assert any(not torch.equal(a, b) for a, b in zip(bf16, ref))  # bf16 compute did happen
 
 

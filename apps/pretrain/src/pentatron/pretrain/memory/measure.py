@@ -84,7 +84,9 @@ class _SavedTensorLedger:
 
     def pack(self, t: torch.Tensor) -> Any:
         # Packs outside a forward are backward-time recomputation: transient, not counted.
-        if self.current is not None:
+        # A parameter saved for backward is a weight, not an activation (FSDP2's gathered
+        # params are parameters whose storage is not the sharded one).
+        if self.current is not None and not isinstance(t, torch.nn.Parameter):
             st = t.untyped_storage()
             ptr = st.data_ptr()
             if ptr not in self.param_storages and st.nbytes() > 0:
@@ -120,7 +122,42 @@ def _random_batches(args: Any, seed: int):
         }
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from pentatron.optim.distributed.fsdp import local_tensor
+
+    return local_tensor(t)
+
+
+def _fsdp2_static_bytes(chunks, optimizer) -> dict[str, int]:
+    """FSDP2: the sharded fp32 params (each padded to ceil(rows / d) rows), their grads
+    (one flat buffer per FSDP unit), no separate main params, the local optimizer state."""
+    params = [p for c in chunks for p in c.module.parameters()]
+    storages = {}
+    grads = {}
+    for p in params:
+        st = _local(p).untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        if p.grad is not None:
+            gst = _local(p.grad).untyped_storage()
+            grads[gst.data_ptr()] = gst.nbytes()
+    state = sum(
+        _local(v).untyped_storage().nbytes()
+        for s in optimizer.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    return {
+        "num_parameters": sum(_local(p).numel() for p in params),
+        "weights_bytes": sum(storages.values()),
+        "grads_bytes": sum(grads.values()),
+        "main_params_bytes": 0,
+        "optimizer_bytes": state,
+    }
+
+
 def _static_bytes(chunks, optimizer) -> dict[str, int]:
+    if not hasattr(chunks[0], "all_buffers"):
+        return _fsdp2_static_bytes(chunks, optimizer)
     params = [p for c in chunks for p in c.module.parameters()]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     grads = sum(b.grad_data.nbytes for c in chunks for b in c.all_buffers)
@@ -167,7 +204,9 @@ def measure(argv: list[str]) -> MeasuredMemory:
         )
         chunks, optimizer, _ = setup.setup_model_and_optimizer(provider, args, grid)
         iters = setup.build_iterators(lambda: _random_batches(args, args.seed), args, grid)
-        storages = {p.untyped_storage().data_ptr() for c in chunks for p in c.module.parameters()}
+        storages = {
+            _local(p).untyped_storage().data_ptr() for c in chunks for p in c.module.parameters()
+        }
         ledger = _SavedTensorLedger(storages)
         inner = make_forward_step(grid, args.micro_batch_size, args.seq_length)
 

@@ -63,12 +63,23 @@ def _as_mesh(dp: DeviceMesh | Any, device_type: str) -> DeviceMesh:
 class FSDP2DataParallel(torch.nn.Module):
     """A module sharded by `fully_shard`, with the calls a training loop makes on our DDP.
 
-    Build it with `apply_fsdp2`. `no_sync()` accumulates unsharded grads without
-    reduce-scatter (the last micro-batch, outside, reduces them); `zero_grad_buffer()` drops
-    the grads; the grad- and param-sync calls are no-ops because FSDP2 issues them itself.
+    Build it with `apply_fsdp2`. Gradient accumulation: by default every micro-batch's
+    backward reduce-scatters its grads, which accumulate in their dp shards, so grads take
+    1/d of their memory throughout (ZeRO-3; as torchtitan and Megatron's torch FSDP2 do)
+    and `no_sync()` changes nothing. With `defer_reduce=True`, `no_sync()` keeps unsharded
+    grads instead, in the reduce dtype, for every param of the module until the last
+    micro-batch (outside it) reduces them: one reduce-scatter per step, at the memory of an
+    unsharded grad buffer (4 bytes a param in fp32). `zero_grad_buffer()` drops the grads;
+    the grad- and param-sync calls are no-ops because FSDP2 issues them itself.
     """
 
-    def __init__(self, module: torch.nn.Module, dp_mesh: DeviceMesh, dp_group: Any = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        dp_mesh: DeviceMesh,
+        dp_group: Any = None,
+        defer_reduce: bool = False,
+    ) -> None:
         super().__init__()
         if not isinstance(module, FSDPModule):
             raise TypeError("FSDP2DataParallel wraps a fully_shard-ed module; use apply_fsdp2")
@@ -77,13 +88,19 @@ class FSDP2DataParallel(torch.nn.Module):
         # The process group itself: a mesh made from a group resolves it by a registered
         # name, which torch may map to a destroyed group once grids are re-created.
         self.dp_group = dp_mesh.get_group() if dp_group is None else dp_group
+        self.defer_reduce = defer_reduce
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Micro-batches run inside only accumulate grads; the last one, outside, reduces."""
+        """With `defer_reduce`, micro-batches run inside only accumulate unsharded grads; the
+        last one, outside, reduces. Without it (the default) a no-op: every micro-batch
+        reduce-scatters and the grads accumulate sharded."""
+        if not self.defer_reduce:
+            yield
+            return
         self.module.set_requires_gradient_sync(False)
         try:
             yield
@@ -154,6 +171,7 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     blocks: Iterable[torch.nn.Module] | None = None,
     broadcast_params: bool = True,
+    defer_reduce: bool = False,
 ) -> FSDP2DataParallel:
     """Shard `module` over `dp` (a 1-D `DeviceMesh` or a process group) with FSDP2.
 
@@ -162,7 +180,8 @@ def apply_fsdp2(
     grad reduce-scatter. `blocks` (default `default_blocks(module)`) get their own
     `fully_shard` so one block's params are gathered at a time; the root takes the rest.
     `broadcast_params` first copies the params of dp rank 0 to every rank (as our DDP does),
-    so the shards cut from them agree.
+    so the shards cut from them agree. `defer_reduce`: see `FSDP2DataParallel` (False:
+    reduce-scatter every micro-batch, grads stay sharded).
     """
     device = next(module.parameters()).device
     mesh = _as_mesh(dp, device.type)
@@ -181,7 +200,7 @@ def apply_fsdp2(
     for name, p in module.named_parameters():
         for key, value in attrs.get(name, {}).items():
             setattr(p, key, value)
-    return FSDP2DataParallel(module, mesh, group)
+    return FSDP2DataParallel(module, mesh, group, defer_reduce)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
