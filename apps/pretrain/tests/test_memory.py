@@ -63,6 +63,28 @@ def test_gpt3_static_bytes_follow_6_plus_12_over_d():
     assert loaded.grads_bytes == pytest.approx(4 * n, rel=1e-4)
 
 
+def test_llama3_8b_fsdp2_is_16_over_d_plus_its_gathered_state():
+    """FSDP2 over 64 ranks (Megatron-FSDP's Llama-3-8B example, ZeRO-3): fp32 params, grads
+    and Adam's two moments sharded, 16/d bytes a parameter (up to the padding of rows to
+    ceil(rows / 64) and Adam's step counters); plus the gathered state, by hand: the root
+    (embedding, final norm, output layer) gathered in bf16, two layers (the one in backward
+    and the one prefetched) and that layer's bf16 grads, with the final norm's and the
+    output layer's grads; no activations counted in it."""
+    plan, _ = build_plan(
+        ["--preset", "llama3-8b", "--bf16", "--use-torch-fsdp2", "--world-size", "64"]
+    )
+    (stage,) = memory_report(plan)
+    n = stage.num_parameters
+    static = stage.weights_bytes + stage.grads_bytes + stage.optimizer_bytes
+    assert stage.main_params_bytes == 0
+    assert static == pytest.approx(16 * n / 64, rel=1e-4)
+    h, v, f = 4096, 128256, 14336
+    layer = 2 * h + (h + 2 * 1024) * h + h * h + 2 * f * h + f * h  # norms, qkv, proj, mlp
+    root = 2 * v * h + h
+    # every dim 0 here (128256, 6144, 28672, 4096) divides by 64: no padding
+    assert stage.fsdp_gathered_bytes == 2 * (root + 2 * layer + layer + v * h + h)
+
+
 def test_gpt3_korthikanti_with_sp_and_selective():
     plan, _ = build_plan(GPT3)
     s, b, h, t = 2048, 1, 12288, 8
@@ -193,6 +215,7 @@ TERMS = (
     "main_params_bytes",
     "optimizer_bytes",
     "fp8_weight_cache_bytes",
+    "fsdp_gathered_bytes",
     "activations_bytes",
     "comm_buffers_bytes",
 )
@@ -245,7 +268,6 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
             "--num-layers=5",
         ),
         (["--world-size", "0"], "--world-size=0"),
-        (["--use-torch-fsdp2", "--world-size", "2"], "--use-torch-fsdp2"),
         (
             [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
             "--pipeline-schedule zb-h1: the weight-gradient store",

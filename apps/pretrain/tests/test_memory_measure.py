@@ -124,6 +124,8 @@ LAYOUTS = {
         ],
     },
     2: {
+        # FSDP2 with experts (ep 1: they shard over dp like the rest; stacked [E, ...])
+        "moe-fsdp2-dp2-bf16": [*BF16, *MOE, "--use-torch-fsdp2", "--global-batch-size", "4"],
         "tp2-sp-bf16": BF16 + GQA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         # SwiGLU through plain autograd (it also keeps silu(gate)); the others run it fused
         "tp2-learned": [
@@ -274,6 +276,45 @@ LAYOUTS = {
         + ["--global-batch-size", "8"],
         "tp2-sp-cp2-p2p": BF16 + TP2_SP + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
         "mla-tp2-sp-cp2-p2p-bf16": BF16 + MLA + TP2_SP + CP2_P2P,
+        # FSDP2 over dp x cp: every rank stores ceil(rows / d) rows of each param; at dp 4
+        # the vocab's 250 rows and fc1's 258 do not divide (rank 3 holds 61 and 63 of them)
+        "fsdp2-dp4-bf16-uneven": [
+            *BF16,
+            "--use-torch-fsdp2",
+            "--global-batch-size",
+            "8",
+            "--ffn-hidden-size",
+            "129",
+            "--vocab-size",
+            "250",
+            "--make-vocab-size-divisible-by",
+            "2",
+        ],
+        "fsdp2-tp2-sp-dp2-bf16-gqa": BF16
+        + TP2_SP
+        + GQA
+        + ["--use-torch-fsdp2", "--global-batch-size", "4"],
+        "fsdp2-cp2-dp2-fp32": [*CP2_P2P, "--use-torch-fsdp2", "--global-batch-size", "4"],
+        # Megatron-FSDP's ZeRO-2 (layers stay gathered from forward to backward), untied
+        "fsdp2-dp4-bf16-optim-grads-untied": [
+            *BF16,
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
+            "optim_grads",
+            "--untie-embeddings-and-output-weights",
+            "--global-batch-size",
+            "8",
+        ],
+        "fsdp2-pp2-dp2-bf16-selective": [
+            *BF16,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--use-torch-fsdp2",
+            "--recompute-granularity",
+            "selective",
+            "--global-batch-size",
+            "8",
+        ],
         # hierarchical cp: the all-to-all over pairs, the ring over the 2 pairs
         "cp4-a2a2-p2p2-bf16-gqa": BF16 + GQA + HCP4,
         "oss-cp4-a2a2-p2p2": OSS + HCP4,
@@ -335,6 +376,24 @@ def test_static_terms_exact(measured, world, name):
         )
         got = {k: r[k] for k in want}
         assert got == want, f"rank {r['rank']}"
+
+
+FSDP2_CASES = [c for c in CASES if "fsdp2" in c[1]]
+
+
+@pytest.mark.parametrize("world,name", FSDP2_CASES)
+def test_fsdp2_gathered_params_and_grads_exact(measured, world, name):
+    """FSDP2's params gathered for compute and their unsharded grads, at their largest
+    (read from FSDP2's state through the step), equal `fsdp2.gathered_bytes` on every rank:
+    the roots, the layer in backward with the one prefetched and its grads (or every layer
+    without reshard after forward), or the root grads at the end."""
+    from pentatron.pretrain.memory.fsdp2 import gathered_bytes
+
+    plan = _plan(world, name)
+    for r in measured[(world, name)]:
+        assert r["fsdp_gathered_peak_bytes"] == gathered_bytes(plan, r["pp_rank"]), (
+            f"rank {r['rank']}"
+        )
 
 
 @pytest.mark.parametrize("world,name", CASES)

@@ -108,7 +108,10 @@ def _layer_terms(plan: MemoryPlan, layer: int, first: bool) -> ActivationTerms:
     else:
         att, core = _attention_terms(plan, sb, b, e, nq, ng, d)
     if c.position_embedding_type in ("rope", "yarn") and e != 4 and not _up_proj_recomputed(c):
-        att += 4 * e * s * _pos_batch(plan, first) * c.rotary_dim  # cos/sin casts, q and k
+        # cos/sin cast for q and for k; FSDP2 casts a unit's float inputs to the compute
+        # dtype once, cos and sin included, so the layer's own casts are no-ops
+        casts = 2 if plan.use_torch_fsdp2 else 4
+        att += casts * e * s * _pos_batch(plan, first) * c.rotary_dim
     out.attention, out.core_attention = att, core
     ffn = c.moe_ffn_size if is_moe else c.ffn_hidden_size
     f1 = ffn * (2 if c.gated_linear_unit else 1)

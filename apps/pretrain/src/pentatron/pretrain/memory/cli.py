@@ -119,12 +119,6 @@ def _validated(
             late[field] = value  # e.g. a per-layer moe_layer_freq list: set on the config
         else:
             setattr(args, flag, value)
-    if args.use_torch_fsdp2:
-        raise MemoryPlanError(
-            "--use-torch-fsdp2: the calculator models DDP and the distributed optimizer only; "
-            "fix: size the run with --use-distributed-optimizer (FSDP2 holds less: params and "
-            "grads are sharded over dp too)"
-        )
     if args.pipeline_schedule in ("zb-h1", "zbv"):
         raise MemoryPlanError(
             f"--pipeline-schedule {args.pipeline_schedule}: the weight-gradient store (each "

@@ -9,7 +9,9 @@ interleaved schedule, one optimizer step) on random tokens and returns, for this
   `torch.autograd.graph.saved_tensors_hooks` counting unique storages that are not
   parameters, sized when the micro-batch's forward ends (an output-discarding checkpoint
   frees a saved output within the forward: it counts 0), and their peak under the schedule: a micro-batch is live from its forward
-  until the first of its saved tensors is unpacked (its backward starts).
+  until the first of its saved tensors is unpacked (its backward starts);
+- with FSDP2: static bytes read off the local shards, and the gathered params and their
+  unsharded grads at their largest (`_GatheredSampler`).
 
 Run inside an initialised process group (the test harness, or torchrun):
 `torchrun --nproc-per-node 4 -m pentatron.pretrain.memory.measure --tensor-model-parallel-size 2 ...`
@@ -46,13 +48,19 @@ class MeasuredMemory:
     activations_per_microbatch: list[int] = field(default_factory=list)
     peak_activations_bytes: int = 0
     peak_microbatches_in_flight: int = 0
+    # FSDP2: the most bytes of gathered params and their unsharded grads held at once
+    fsdp_gathered_peak_bytes: int = 0
 
 
 class _SavedTensorLedger:
     """Attributes each saved tensor's storage to the micro-batch whose forward saved it."""
 
-    def __init__(self, param_storages: set[int]) -> None:
+    def __init__(self, param_storages: set[int], live_params: Any = None) -> None:
         self.param_storages = param_storages
+        # FSDP2: the storages of the params the modules hold now (gathered ones included),
+        # since a view of a gathered param is saved too and its storage is freed after
+        # forward (an activation allocated there later would share its address)
+        self.live_params = live_params
         self.per_mb: list[dict[int, int]] = []
         # the current forward's storages, sized when it ends: an output-discarding
         # checkpoint (mla_up_proj, moe_act) frees a saved storage within the forward
@@ -82,18 +90,25 @@ class _SavedTensorLedger:
             self.peak = total
         self.peak_count = max(self.peak_count, len(self.live))
 
+    sampler: Any = None  # FSDP2's _GatheredSampler
+
     def pack(self, t: torch.Tensor) -> Any:
+        if self.sampler is not None:
+            self.sampler.sample()
         # Packs outside a forward are backward-time recomputation: transient, not counted.
         # A parameter saved for backward is a weight, not an activation (FSDP2's gathered
         # params are parameters whose storage is not the sharded one).
         if self.current is not None and not isinstance(t, torch.nn.Parameter):
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr not in self.param_storages and st.nbytes() > 0:
+            params = self.param_storages if self.live_params is None else self.live_params()
+            if ptr not in params and st.nbytes() > 0:
                 self.pending[ptr] = st
         return (self.current, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if self.sampler is not None:
+            self.sampler.sample()
         mb, t = packed
         if self.in_forward:
             # A forward and backward nested in the model's forward (e.g. a kernel probe on
@@ -147,12 +162,84 @@ def _fsdp2_static_bytes(chunks, optimizer) -> dict[str, int]:
         if torch.is_tensor(v)
     )
     return {
-        "num_parameters": sum(_local(p).numel() for p in params),
+        "num_parameters": sum(p.numel() for p in params),
         "weights_bytes": sum(storages.values()),
         "grads_bytes": sum(grads.values()),
         "main_params_bytes": 0,
         "optimizer_bytes": state,
     }
+
+
+class _GatheredSampler:
+    """FSDP2's gathered state at its largest: the all-gathered params allocated now (one
+    padded `[d ceil(rows/d), ...]` buffer each, compute dtype; a unit prefetched and not
+    yet copied out: its flat all-gather output) plus the unsharded grads
+    held (the compute dtype's, and any kept for a deferred reduce-scatter), summed over
+    every unit. Sampled at each saved tensor's pack and unpack and after each gathered
+    param's grad is accumulated (the moment before FSDP2 reduce-scatters a unit's grads),
+    through FSDP2's private state (`FSDPParam`), read-only."""
+
+    def __init__(self, chunks) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.params, self.groups = [], []
+        for c in chunks:
+            for m in c.module.modules():
+                if isinstance(m, FSDPModule):
+                    group = m._get_fsdp_state()._fsdp_param_group
+                    if group is not None:
+                        self.groups.append(group)
+                        self.params += list(group.fsdp_params)
+        self.hooked: set[int] = set()
+        self.handles: list[Any] = []
+        self.peak = 0
+
+    def close(self) -> None:
+        """Drop the hooks and FSDP2's objects: a hook on a param that holds this sampler
+        is a reference cycle, which kept the groups (their gloo threads) alive."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.params, self.groups = [], [], []
+
+    def sample(self, *_: Any) -> None:
+        # a prefetched unit's all-gather, not yet copied out to its params' buffers
+        total = sum(
+            g._all_gather_result.all_gather_output.untyped_storage().nbytes()
+            for g in self.groups
+            if g._all_gather_result is not None
+        )
+        for fp in self.params:
+            total += sum(t.untyped_storage().nbytes() for t in fp.all_gather_outputs)
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                if id(unsharded) not in self.hooked:
+                    self.hooked.add(id(unsharded))
+                    hook = unsharded.register_post_accumulate_grad_hook(self.sample)
+                    self.handles.append(hook)
+                if unsharded.grad is not None:
+                    total += unsharded.grad.untyped_storage().nbytes()
+            if fp.unsharded_accumulated_grad is not None:
+                total += fp.unsharded_accumulated_grad.untyped_storage().nbytes()
+        self.peak = max(self.peak, total)
+
+
+def _live_params(chunks) -> Any:
+    """FSDP2 chunks: a function giving the storages of every param the modules hold now
+    (FSDP2 swaps the gathered params in around each unit's forward and backward); else
+    None."""
+    if hasattr(chunks[0], "all_buffers"):
+        return None
+
+    def live() -> set[int]:
+        return {
+            _local(p).untyped_storage().data_ptr()
+            for c in chunks
+            for m in c.module.modules()
+            for p in m._parameters.values()
+            if p is not None
+        }
+
+    return live
 
 
 def _static_bytes(chunks, optimizer) -> dict[str, int]:
@@ -207,7 +294,9 @@ def measure(argv: list[str]) -> MeasuredMemory:
         storages = {
             _local(p).untyped_storage().data_ptr() for c in chunks for p in c.module.parameters()
         }
-        ledger = _SavedTensorLedger(storages)
+        ledger = _SavedTensorLedger(storages, _live_params(chunks))
+        fsdp2 = not hasattr(chunks[0], "all_buffers")
+        ledger.sampler = _GatheredSampler(chunks) if fsdp2 else None
         inner = make_forward_step(grid, args.micro_batch_size, args.seq_length)
 
         def forward_step(data_iterator, model):
@@ -224,6 +313,8 @@ def measure(argv: list[str]) -> MeasuredMemory:
                 args, chunks, iters, forward_step, optimizer, pcfg, grid, args.num_microbatches
             )
         ledger._finalize()  # a forward-only last stage has no unpack to end it
+        if ledger.sampler is not None:
+            ledger.sampler.close()
         static = _static_bytes(chunks, optimizer)
         return MeasuredMemory(
             rank=dist.get_rank(),
@@ -235,6 +326,7 @@ def measure(argv: list[str]) -> MeasuredMemory:
             activations_per_microbatch=[sum(m.values()) for m in ledger.per_mb],
             peak_activations_bytes=ledger.peak,
             peak_microbatches_in_flight=ledger.peak_count,
+            fsdp_gathered_peak_bytes=ledger.sampler.peak if fsdp2 else 0,
             **static,
         )
     finally:

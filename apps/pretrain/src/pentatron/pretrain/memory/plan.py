@@ -35,6 +35,9 @@ class MemoryPlan:
     dp: int
     make_vocab_size_divisible_by: int = 128
     use_distributed_optimizer: bool = False
+    use_torch_fsdp2: bool = False  # params, grads, optimizer state sharded over dp x cp
+    fsdp_reshard_after_forward: bool = True  # False: layers stay gathered fwd to bwd
+    fsdp_reduce_bytes: int = 4  # the grad reduce-scatter's dtype
     grad_reduce_in_fp32: bool = True
     bucket_size: int | None = None  # resolved elements per bucket; None: one per buffer
     optimizer: str = "adam"
@@ -134,6 +137,9 @@ def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
         dp=args.data_parallel_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        use_torch_fsdp2=args.use_torch_fsdp2,
+        fsdp_reshard_after_forward=getattr(args, "fsdp_reshard_after_forward", True),
+        fsdp_reduce_bytes=4 if getattr(args, "fsdp_reduce_dtype", None) in (None, "fp32") else 2,
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
         bucket_size=ddp.resolved_bucket_size(args.data_parallel_size),
         optimizer=args.optimizer,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .activations import fp8_weight_copies, korthikanti_per_layer, stage_activations
+from .fsdp2 import gathered_bytes, staging_bytes
 from .plan import MemoryPlan
 from .static import chunk_layers, static_bytes
 
@@ -25,6 +26,7 @@ class StageMemory:
     main_params_bytes: int
     optimizer_bytes: int
     fp8_weight_cache_bytes: int  # TE's cached FP8 weight copies (one per TE-linear weight)
+    fsdp_gathered_bytes: int  # FSDP2: params gathered for compute, their unsharded grads
     activations_bytes: int
     comm_buffers_bytes: int
     total_bytes: int
@@ -34,16 +36,17 @@ class StageMemory:
     headroom_bytes: int | None = None
 
 
-def _comm_buffers(plan: MemoryPlan) -> int:
+def _comm_buffers(plan: MemoryPlan, pp_rank: int) -> int:
     """p2p: one received and one sent activation `e s' b h` per pipeline direction; SP: the
-    all-gathered `[s, b, h]` input of a column-parallel linear (transient, one at a time)."""
+    all-gathered `[s, b, h]` input of a column-parallel linear (transient, one at a time);
+    FSDP2: a unit's flat all-gather output and reduce-scatter input (`fsdp2.staging_bytes`)."""
     c, e, b = plan.config, plan.param_bytes, plan.micro_batch_size
     s = plan.seq_length // plan.cp
     s_ = s // plan.tp if c.sequence_parallel else s
     out = 4 * e * s_ * b * c.hidden_size if plan.pp > 1 else 0
     if c.sequence_parallel:
         out += e * s * b * c.hidden_size
-    return out
+    return out + staging_bytes(plan, pp_rank)
 
 
 def korthikanti_stage(plan: MemoryPlan, pp_rank: int) -> int:
@@ -67,9 +70,11 @@ def stage_memory(plan: MemoryPlan, pp_rank: int, device_bytes: int | None = None
     st = static_bytes(plan, pp_rank)
     act = stage_activations(plan, pp_rank)
     fp8 = fp8_weight_copies(plan, pp_rank)  # cached once per step, not per micro-batch
-    comm = _comm_buffers(plan)
+    comm = _comm_buffers(plan, pp_rank)
+    gathered = gathered_bytes(plan, pp_rank)
     total = (
-        st.weights_bytes
+        gathered
+        + st.weights_bytes
         + st.grads_bytes
         + st.main_params_bytes
         + st.optimizer_bytes
@@ -85,6 +90,7 @@ def stage_memory(plan: MemoryPlan, pp_rank: int, device_bytes: int | None = None
         main_params_bytes=st.main_params_bytes,
         optimizer_bytes=st.optimizer_bytes,
         fp8_weight_cache_bytes=fp8,
+        fsdp_gathered_bytes=gathered,
         activations_bytes=act.peak_bytes,
         comm_buffers_bytes=comm,
         total_bytes=total,
@@ -107,6 +113,7 @@ COLUMNS = (
     ("main fp32", "main_params_bytes"),
     ("optimizer", "optimizer_bytes"),
     ("fp8 weights", "fp8_weight_cache_bytes"),
+    ("fsdp gathered", "fsdp_gathered_bytes"),
     ("activations", "activations_bytes"),
     ("comm", "comm_buffers_bytes"),
 )

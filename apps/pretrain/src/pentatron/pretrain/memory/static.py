@@ -34,6 +34,11 @@ class ParamSpec:
     numel: int
     expert: bool = False
     shared_embedding: bool = False
+    rows: int | None = None  # its dim 0 (FSDP2 shards it); None: a vector, numel
+
+    @property
+    def dim0(self) -> int:
+        return self.numel if self.rows is None else self.rows
 
 
 def _norm(plan: MemoryPlan, prefix: str, size: int) -> list[ParamSpec]:
@@ -44,7 +49,7 @@ def _norm(plan: MemoryPlan, prefix: str, size: int) -> list[ParamSpec]:
 
 
 def _linear(name: str, out_f: int, in_f: int, bias: bool, expert=False) -> list[ParamSpec]:
-    specs = [ParamSpec(f"{name}.weight", out_f * in_f, expert)]
+    specs = [ParamSpec(f"{name}.weight", out_f * in_f, expert, rows=out_f)]
     return specs + ([ParamSpec(f"{name}.bias", out_f, expert)] if bias else [])
 
 
@@ -107,20 +112,23 @@ def _moe(plan: MemoryPlan, p: str) -> list[ParamSpec]:
     c = plan.config
     e_local, f = c.num_moe_experts // plan.ep, c.moe_ffn_size
     f1 = f * (2 if c.gated_linear_unit else 1)
-    out = [ParamSpec(f"{p}.router.weight", c.num_moe_experts * c.hidden_size)]
+    out = [
+        ParamSpec(f"{p}.router.weight", c.num_moe_experts * c.hidden_size, rows=c.num_moe_experts)
+    ]
     if c.add_bias_linear:  # Megatron's router logit bias
         out.append(ParamSpec(f"{p}.router.bias", c.num_moe_experts))
     h, etp = c.hidden_size, plan.etp
-    out.append(ParamSpec(f"{p}.experts.linear_fc1.weight", e_local * (f1 // etp) * h, True))
+    fc1, fc2 = f"{p}.experts.linear_fc1", f"{p}.experts.linear_fc2"
+    out.append(ParamSpec(f"{fc1}.weight", e_local * (f1 // etp) * h, True, rows=e_local))
     if c.add_bias_linear:
-        out.append(ParamSpec(f"{p}.experts.linear_fc1.bias", e_local * (f1 // etp), True))
-    out.append(ParamSpec(f"{p}.experts.linear_fc2.weight", e_local * h * (f // etp), True))
+        out.append(ParamSpec(f"{fc1}.bias", e_local * (f1 // etp), True, rows=e_local))
+    out.append(ParamSpec(f"{fc2}.weight", e_local * h * (f // etp), True, rows=e_local))
     if c.add_bias_linear:
-        out.append(ParamSpec(f"{p}.experts.linear_fc2.bias", e_local * h, True))
+        out.append(ParamSpec(f"{fc2}.bias", e_local * h, True, rows=e_local))
     if c.moe_shared_expert_intermediate_size:
         out += _dense_mlp(plan, f"{p}.shared_experts", c.moe_shared_expert_intermediate_size)
         if c.moe_shared_expert_gate:  # Qwen2-MoE's sigmoid gate, replicated over tp
-            out.append(ParamSpec(f"{p}.shared_experts.gate_weight", h))
+            out.append(ParamSpec(f"{p}.shared_experts.gate_weight", h, rows=1))
     return out
 
 
@@ -150,12 +158,20 @@ def chunk_parameters(plan: MemoryPlan, pp_rank: int, vp: int) -> list[ParamSpec]
     out: list[ParamSpec] = []
     if first or mtp:
         out.append(
-            ParamSpec("embedding.word_embeddings.weight", vocab * h, False, tied or split_mtp)
+            ParamSpec(
+                "embedding.word_embeddings.weight", vocab * h, False, tied or split_mtp, vocab
+            )
         )
         if c.position_embedding_type == "learned_absolute":
             positions = plan.max_position_embeddings or plan.seq_length
             out.append(
-                ParamSpec("embedding.position_embeddings.weight", positions * h, False, split_mtp)
+                ParamSpec(
+                    "embedding.position_embeddings.weight",
+                    positions * h,
+                    False,
+                    split_mtp,
+                    positions,
+                )
             )
     for i, layer in enumerate(chunk_layers(plan, pp_rank, vp)):
         out += _layer(plan, f"decoder.layers.{i}", layer + 1)
@@ -168,7 +184,7 @@ def chunk_parameters(plan: MemoryPlan, pp_rank: int, vp: int) -> list[ParamSpec]
         out += _layer(plan, f"{p}.mtp_model_layer", c.num_layers + k + 1)
         out += _norm(plan, f"{p}.final_layernorm", h)
     if last and (not tied or not (first or mtp)):
-        out.append(ParamSpec("output_layer.weight", vocab * h, False, tied))
+        out.append(ParamSpec("output_layer.weight", vocab * h, False, tied, vocab))
     return out
 
 
@@ -224,12 +240,38 @@ def _buffer_bytes(plan: MemoryPlan, params: list[ParamSpec], dp: int, dp_rank: i
     )
 
 
+def _fsdp2_bytes(plan: MemoryPlan, params: list[ParamSpec], rank: int) -> StaticBytes:
+    """FSDP2 over D = dp x cp ranks, rank `rank` of them: every param (widened to fp32: the
+    shards are the main params) cut along dim 0 into D parts of ceil(rows / D) rows, each
+    rank's stored padded to that; its grad the same (one flat fp32 buffer per FSDP unit);
+    optimizer state over the rows this rank holds, plus `step` per param."""
+    d = plan.dp * plan.cp
+    padded = held = 0
+    for p in params:
+        rows, cols = p.dim0, p.numel // p.dim0
+        part = -(-rows // d)
+        padded += part * cols
+        held += max(0, min(part, rows - rank * part)) * cols
+    state_per_elem = {"adam": 8, "sgd": 4}[plan.optimizer]
+    return StaticBytes(
+        num_parameters=sum(p.numel for p in params),
+        weights_bytes=padded * 4,
+        grads_bytes=padded * 4,
+        main_params_bytes=0,
+        optimizer_bytes=held * state_per_elem + len(params) * 4,
+    )
+
+
 def static_bytes(
     plan: MemoryPlan, pp_rank: int, dp_rank: int = 0, edp_rank: int = 0
 ) -> StaticBytes:
-    """Static bytes of one rank of pipeline stage `pp_rank` (all its virtual chunks)."""
+    """Static bytes of one rank of pipeline stage `pp_rank` (all its virtual chunks);
+    `dp_rank` is its rank in dp x cp (the dense buffer's group, or FSDP2's)."""
     total = StaticBytes()
     for vp in range(plan.vpp):
+        if plan.use_torch_fsdp2:
+            total.add(_fsdp2_bytes(plan, chunk_parameters(plan, pp_rank, vp), dp_rank))
+            continue
         params = list(reversed(chunk_parameters(plan, pp_rank, vp)))
         dense = [p for p in params if not p.expert]
         expert = [p for p in params if p.expert]
