@@ -155,19 +155,23 @@ def _fsdp2_static_bytes(chunks, optimizer) -> dict[str, int]:
         if p.grad is not None:
             gst = _local(p.grad).untyped_storage()
             grads[gst.data_ptr()] = gst.nbytes()
-    state = sum(
-        _local(v).untyped_storage().nbytes()
-        for s in optimizer.optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
-    )
     return {
         "num_parameters": sum(p.numel() for p in params),
         "weights_bytes": sum(storages.values()),
         "grads_bytes": sum(grads.values()),
         "main_params_bytes": 0,
-        "optimizer_bytes": state,
+        "optimizer_bytes": _optimizer_state_bytes(optimizer),
     }
+
+
+def _optimizer_state_bytes(optimizer) -> int:
+    """The inner optimizer's state tensors (FSDP2's: their local shards)."""
+    return sum(
+        _local(v).nbytes
+        for s in optimizer.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
 
 
 class _GatheredSampler:
@@ -249,12 +253,7 @@ def _static_bytes(chunks, optimizer) -> dict[str, int]:
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     grads = sum(b.grad_data.nbytes for c in chunks for b in c.all_buffers)
     mains = sum(mp.main.nbytes for mp in optimizer.main_params if mp.owns_storage)
-    state = sum(
-        v.nbytes
-        for s in optimizer.optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
-    )
+    state = _optimizer_state_bytes(optimizer)
     return {
         "num_parameters": sum(p.numel() for p in params),
         "weights_bytes": sum(storages.values()),

@@ -70,6 +70,17 @@ def _chunk_order(cp: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([c for r in range(cp) for c in (r, 2 * cp - 1 - r)], device=device)
 
 
+def check_heads_divide(n: int, g: int, size: int, kind: str, fix: str) -> None:
+    """An all-to-all over `size` ranks splits the n query heads and g groups of a tp rank
+    into contiguous parts, so both must divide by it (raised before any collective)."""
+    if n % size or g % size:
+        raise ModelConfigError(
+            f"cp_comm_type={kind!r} on {n} query heads / {g} groups per tp rank with an "
+            f"all-to-all over {size} ranks: the rule: heads and query groups per tp rank "
+            f"must divide by the all-to-all's size; fix: {fix}"
+        )
+
+
 def a2a_attention(
     q,
     k,
@@ -85,13 +96,8 @@ def a2a_attention(
     cp rank's contiguous n/cp of them apply to its heads) and a `window` of keys back over
     the whole sequence, which each rank sees in global order."""
     cp = dist.get_world_size(group)
-    n, g = q.size(2), k.size(2)
-    if n % cp or g % cp:
-        raise ModelConfigError(
-            f"cp_comm_type='a2a' on {n} query heads / {g} groups per tp rank with "
-            f"context_parallel_size={cp}: the rule: heads and query groups per tp rank must "
-            "divide by cp; fix: use cp_comm_type='p2p' or 'all_gather'"
-        )
+    fix = "use cp_comm_type='p2p' or 'all_gather'"
+    check_heads_divide(q.size(2), k.size(2), cp, "a2a", fix)
     q, k, v = (SeqToHead.apply(x, group) for x in (q, k, v))  # [s, b, ·/cp, d]
     s = q.size(0)
     order = _chunk_order(cp, q.device)  # gathered chunk i is global chunk order[i]

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfigError
-from .a2a import HeadToSeq, SeqToHead
+from .a2a import HeadToSeq, SeqToHead, check_heads_divide
 from .ring import ring_attention
 
 
@@ -56,14 +55,8 @@ def a2a_p2p_attention(
     (keys back) masks by global positions, which the ring's layout keeps."""
     a2a_group, ring_group = groups
     a = dist.get_world_size(a2a_group)
-    n, g = q.size(2), k.size(2)
-    if n % a or g % a:
-        raise ModelConfigError(
-            f"cp_comm_type='a2a+p2p' on {n} query heads / {g} groups per tp rank with an "
-            f"all-to-all over {a} ranks: the rule: heads and query groups per tp rank must "
-            "divide by the all-to-all's size; fix: a smaller first entry of "
-            "hierarchical_context_parallel_sizes, or cp_comm_type='p2p'"
-        )
+    fix = "a smaller first entry of hierarchical_context_parallel_sizes, or cp_comm_type='p2p'"
+    check_heads_divide(q.size(2), k.size(2), a, "a2a+p2p", fix)
     order = _superchunk_order(a)
     back = sorted(range(2 * a), key=order.__getitem__)
     q, k, v = (_reorder(SeqToHead.apply(x, a2a_group), order) for x in (q, k, v))
