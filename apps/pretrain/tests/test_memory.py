@@ -85,6 +85,28 @@ def test_llama3_8b_fsdp2_is_16_over_d_plus_its_gathered_state():
     assert stage.fsdp_gathered_bytes == 2 * (root + 2 * layer + layer + v * h + h)
 
 
+def test_zero_bubble_h1_holds_1f1b_activations_and_up_to_r_pending_weight_gradients():
+    """ZB-H1 at pp4, 8 micro-batches (the schedule's table, sized per rank): the saved
+    activations peak as 1F1B's (p - r micro-batches); rank r keeps up to r W's pending, so
+    r + 1 just before a W runs, and the store a rank adds at its peak grows with r, within
+    those r + 1 micro-batches' W's (the exact bytes per W are measured in
+    test_memory_measure.py). 1F1B sizes no store."""
+    from pentatron.pretrain.memory.zero_bubble import wgrad_bytes
+
+    argv = [*SMALL, "--pipeline-model-parallel-size", "4", "--transformer-impl", "local"]
+    argv += ["--global-batch-size", "16", "--world-size", "4"]
+    one_f_one_b = memory_report(build_plan(argv)[0])
+    plan, _ = build_plan([*argv, "--pipeline-schedule", "zb-h1"])
+    stages = memory_report(plan)
+    for r, (zb, ref) in enumerate(zip(stages, one_f_one_b)):
+        assert ref.wgrad_store_bytes == 0
+        assert zb.activations_bytes == ref.activations_bytes
+        assert zb.microbatches_in_flight == 4 - r
+        assert 0 < zb.wgrad_store_bytes <= (r + 1) * wgrad_bytes(plan, r, 0)
+    store = [st.wgrad_store_bytes for st in stages]
+    assert store == sorted(store) and store[0] < store[3], store
+
+
 def test_gpt3_korthikanti_with_sp_and_selective():
     plan, _ = build_plan(GPT3)
     s, b, h, t = 2048, 1, 12288, 8
@@ -216,6 +238,7 @@ TERMS = (
     "optimizer_bytes",
     "fp8_weight_cache_bytes",
     "fsdp_gathered_bytes",
+    "wgrad_store_bytes",
     "activations_bytes",
     "comm_buffers_bytes",
 )
@@ -269,12 +292,11 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
         ),
         (["--world-size", "0"], "--world-size=0"),
         (
-            [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
-            "--pipeline-schedule zb-h1: the weight-gradient store",
-        ),
-        (
-            [*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
-            "--pipeline-schedule zbv: the weight-gradient store",
+            [
+                *(*SMALL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"),
+                *("--num-experts", "4", "--transformer-impl", "local"),
+            ],
+            "--num-experts with --pipeline-schedule zb-h1: the weight-gradient store is sized",
         ),
         (  # sized as core_attn it would be wrong: core attention stays stored
             [*SMALL, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],

@@ -72,6 +72,8 @@ OSS += ["--softmax-type", "learnable", "--window-size", "7,0", "--window-attn-sk
 OSS += ["--transformer-impl", "local"]
 
 CP2_P2P = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+PP2_M4 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
 HCP4 = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
 HCP4 += ["--hierarchical-context-parallel-sizes", "2", "2"]
 
@@ -124,6 +126,10 @@ LAYOUTS = {
         ],
     },
     2: {
+        # zero-bubble: ZB-H1 (1F1B's order, W's deferred: rank r keeps up to r), and ZBV
+        # (two chunks a rank in a V, rank 0 holding the first and the last stage)
+        "zb-h1-pp2-bf16": [*BF16, *PP2_M4, "--pipeline-schedule", "zb-h1"],
+        "zbv-pp2-fp32-untied": [*PP2_M4, "--pipeline-schedule", "zbv", *UNTIED],
         # FSDP2 with experts (ep 1: they shard over dp like the rest; stacked [E, ...])
         "moe-fsdp2-dp2-bf16": [*BF16, *MOE, "--use-torch-fsdp2", "--global-batch-size", "4"],
         "tp2-sp-bf16": BF16 + GQA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -276,6 +282,17 @@ LAYOUTS = {
         + ["--global-batch-size", "8"],
         "tp2-sp-cp2-p2p": BF16 + TP2_SP + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
         "mla-tp2-sp-cp2-p2p-bf16": BF16 + MLA + TP2_SP + CP2_P2P,
+        # zero-bubble with tp2 + SP (the linears' inputs held as s/t shards) on GPT-3's
+        # kind of layer (LayerNorm's mean and rstd, biases, learned positions)
+        "gpt-zb-h1-tp2-sp-pp2-bf16": [*BF16, *TP2_SP, *PP2_M4, "--pipeline-schedule", "zb-h1"],
+        "zbv-tp2-sp-pp2-bf16-untied": [
+            *BF16,
+            *TP2_SP,
+            *PP2_M4,
+            "--pipeline-schedule",
+            "zbv",
+            *UNTIED,
+        ],
         # FSDP2 over dp x cp: every rank stores ceil(rows / d) rows of each param; at dp 4
         # the vocab's 250 rows and fc1's 258 do not divide (rank 3 holds 61 and 63 of them)
         "fsdp2-dp4-bf16-uneven": [
@@ -376,6 +393,28 @@ def test_static_terms_exact(measured, world, name):
         )
         got = {k: r[k] for k in want}
         assert got == want, f"rank {r['rank']}"
+
+
+ZB_CASES = [c for c in CASES if "zb" in c[1]]
+
+
+@pytest.mark.parametrize("world,name", ZB_CASES)
+def test_zero_bubble_store_exact(measured, world, name):
+    """The bytes each micro-batch's W holds (every linear's input and output gradient, every
+    norm's input, output gradient and statistics, the embedding's ids and gradient), in the
+    order the rank's B's ran, and the peaks along the schedule of the saved activations and
+    of those plus the pending W's equal `zero_bubble`'s on every rank."""
+    from pentatron.pretrain.memory import zero_bubble
+
+    plan = _plan(world, name)
+    for r in measured[(world, name)]:
+        ops = zero_bubble._ops(plan, r["pp_rank"])
+        chunk_of_b = [op.chunk for op in ops if op.kind == "B"]
+        want = [zero_bubble.wgrad_bytes(plan, r["pp_rank"], vp) for vp in chunk_of_b]
+        assert r["wgrad_bytes_per_microbatch"] == want, f"rank {r['rank']}"
+        act, total = zero_bubble.peaks(plan, r["pp_rank"])
+        got = (r["peak_activations_bytes"], r["peak_activations_and_wgrad_bytes"])
+        assert got == (act, total), f"rank {r['rank']}"
 
 
 FSDP2_CASES = [c for c in CASES if "fsdp2" in c[1]]

@@ -525,4 +525,9 @@ def stage_activations(plan: MemoryPlan, pp_rank: int) -> StageActivations:
     terms = ActivationTerms()
     for vp in range(plan.vpp):
         terms.add(chunk_activations(plan, pp_rank, vp))
+    from . import zero_bubble  # it builds on chunk_activations
+
+    if zero_bubble.is_zero_bubble(plan) and terms.total:
+        # the schedule's own order: the peak of forwards whose B has not run
+        return StageActivations(terms, zero_bubble.peaks(plan, pp_rank)[0] / terms.total)
     return StageActivations(terms, microbatches_in_flight(plan, pp_rank))

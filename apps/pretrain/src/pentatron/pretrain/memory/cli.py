@@ -27,6 +27,7 @@ from ..arguments import ArgumentError, build_parser, validate_args, yaml_default
 from .plan import MemoryPlan, MemoryPlanError, derive_dp, plan_from_args
 from .presets import from_hf_config, preset
 from .report import memory_report, plot, print_table
+from .zero_bubble import check_sized, is_zero_bubble
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,13 +120,6 @@ def _validated(
             late[field] = value  # e.g. a per-layer moe_layer_freq list: set on the config
         else:
             setattr(args, flag, value)
-    if args.pipeline_schedule in ("zb-h1", "zbv"):
-        raise MemoryPlanError(
-            f"--pipeline-schedule {args.pipeline_schedule}: the weight-gradient store (each "
-            "linear's input and output grad, for the micro-batches whose W is deferred) is "
-            "not sized yet; fix: size the run with 1f1b (the same activation memory: "
-            "zero-bubble schedules keep 1F1B's micro-batches in flight) and add the store"
-        )
     if args.train_iters is None and args.train_samples is None:
         args.train_iters = 1
     # The app requires these; memory does not depend on the lr, and the position table is
@@ -142,6 +136,8 @@ def _validated(
     plan.config = dataclasses.replace(plan.config, **late)
     plan.dp = dp
     plan.name = args.preset or args.hf_config or "custom"
+    if is_zero_bubble(plan):
+        check_sized(plan)
     if plan.config.is_moe and plan.config.num_moe_experts % ep:
         raise MemoryPlanError(
             f"--expert-model-parallel-size={ep}: must divide the {plan.config.num_moe_experts} "

@@ -50,6 +50,11 @@ class MeasuredMemory:
     peak_microbatches_in_flight: int = 0
     # FSDP2: the most bytes of gathered params and their unsharded grads held at once
     fsdp_gathered_peak_bytes: int = 0
+    # zero-bubble schedules: each micro-batch's deferred weight gradients (the tensors its
+    # W holds, per chunk-backward in order), and the peak of saved activations plus the
+    # W's pending, sampled before each F, B and W
+    wgrad_bytes_per_microbatch: list[int] = field(default_factory=list)
+    peak_activations_and_wgrad_bytes: int = 0
 
 
 class _SavedTensorLedger:
@@ -69,6 +74,8 @@ class _SavedTensorLedger:
         self.in_forward = False  # inside forward_step: an unpack there is a nested backward
         self.live: set[int] = set()
         self.peak, self.peak_count = 0, 0
+        self.store: Any = None  # a zero-bubble schedule's WeightGradStore
+        self.peak_with_store = 0
 
     def _finalize(self) -> None:
         """Size the current forward's saved storages as they are now (a discarded one: 0)."""
@@ -89,6 +96,25 @@ class _SavedTensorLedger:
         if total > self.peak:
             self.peak = total
         self.peak_count = max(self.peak_count, len(self.live))
+        if self.store is not None:
+            self.peak_with_store = max(self.peak_with_store, total + self.store.pending_bytes())
+
+    def watch_store(self, store: Any) -> list[int]:
+        """Sample before each W too, and record each sealed group's bytes (returned)."""
+        self.store, sealed = store, []
+        close, run = store.close_group, store.run_oldest
+
+        def close_group() -> None:
+            sealed.append(sum(item.nbytes for item in store._open))
+            close()
+
+        def run_oldest() -> None:
+            self._finalize()
+            self._snapshot()
+            run()
+
+        store.close_group, store.run_oldest = close_group, run_oldest
+        return sealed
 
     sampler: Any = None  # FSDP2's _GatheredSampler
 
@@ -307,11 +333,14 @@ def measure(argv: list[str]) -> MeasuredMemory:
                 ledger.in_forward = False
 
         pcfg = step.make_pipeline_config(args, chunks, grid, configs.pipeline_config, optimizer)
+        store = getattr(pcfg, "weight_grad_store", None)
+        sealed = ledger.watch_store(store) if store is not None else []
         with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
             step.train_step(
                 args, chunks, iters, forward_step, optimizer, pcfg, grid, args.num_microbatches
             )
         ledger._finalize()  # a forward-only last stage has no unpack to end it
+        ledger._snapshot()
         if ledger.sampler is not None:
             ledger.sampler.close()
         static = _static_bytes(chunks, optimizer)
@@ -326,6 +355,8 @@ def measure(argv: list[str]) -> MeasuredMemory:
             peak_activations_bytes=ledger.peak,
             peak_microbatches_in_flight=ledger.peak_count,
             fsdp_gathered_peak_bytes=ledger.sampler.peak if fsdp2 else 0,
+            wgrad_bytes_per_microbatch=sealed,
+            peak_activations_and_wgrad_bytes=ledger.peak_with_store,
             **static,
         )
     finally:

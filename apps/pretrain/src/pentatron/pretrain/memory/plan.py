@@ -36,6 +36,7 @@ class MemoryPlan:
     make_vocab_size_divisible_by: int = 128
     use_distributed_optimizer: bool = False
     use_torch_fsdp2: bool = False  # params, grads, optimizer state sharded over dp x cp
+    pipeline_schedule: str = "1f1b"  # "zb-h1" / "zbv": the weight-gradient store too
     fsdp_reshard_after_forward: bool = True  # False: layers stay gathered fwd to bwd
     fsdp_reduce_bytes: int = 4  # the grad reduce-scatter's dtype
     grad_reduce_in_fp32: bool = True
@@ -138,6 +139,7 @@ def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         use_distributed_optimizer=args.use_distributed_optimizer,
         use_torch_fsdp2=args.use_torch_fsdp2,
+        pipeline_schedule=getattr(args, "pipeline_schedule", None) or "1f1b",
         fsdp_reshard_after_forward=getattr(args, "fsdp_reshard_after_forward", True),
         fsdp_reduce_bytes=4 if getattr(args, "fsdp_reduce_dtype", None) in (None, "fp32") else 2,
         grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,

@@ -13,6 +13,7 @@ from .activations import fp8_weight_copies, korthikanti_per_layer, stage_activat
 from .fsdp2 import gathered_bytes, staging_bytes
 from .plan import MemoryPlan
 from .static import chunk_layers, static_bytes
+from .zero_bubble import is_zero_bubble, peaks
 
 GIB = 1024**3
 
@@ -27,6 +28,7 @@ class StageMemory:
     optimizer_bytes: int
     fp8_weight_cache_bytes: int  # TE's cached FP8 weight copies (one per TE-linear weight)
     fsdp_gathered_bytes: int  # FSDP2: params gathered for compute, their unsharded grads
+    wgrad_store_bytes: int  # zero-bubble: pending W's at the peak with the activations
     activations_bytes: int
     comm_buffers_bytes: int
     total_bytes: int
@@ -72,8 +74,10 @@ def stage_memory(plan: MemoryPlan, pp_rank: int, device_bytes: int | None = None
     fp8 = fp8_weight_copies(plan, pp_rank)  # cached once per step, not per micro-batch
     comm = _comm_buffers(plan, pp_rank)
     gathered = gathered_bytes(plan, pp_rank)
+    store = peaks(plan, pp_rank)[1] - act.peak_bytes if is_zero_bubble(plan) else 0
     total = (
         gathered
+        + store
         + st.weights_bytes
         + st.grads_bytes
         + st.main_params_bytes
@@ -91,6 +95,7 @@ def stage_memory(plan: MemoryPlan, pp_rank: int, device_bytes: int | None = None
         optimizer_bytes=st.optimizer_bytes,
         fp8_weight_cache_bytes=fp8,
         fsdp_gathered_bytes=gathered,
+        wgrad_store_bytes=store,
         activations_bytes=act.peak_bytes,
         comm_buffers_bytes=comm,
         total_bytes=total,
@@ -114,6 +119,7 @@ COLUMNS = (
     ("optimizer", "optimizer_bytes"),
     ("fp8 weights", "fp8_weight_cache_bytes"),
     ("fsdp gathered", "fsdp_gathered_bytes"),
+    ("W store", "wgrad_store_bytes"),
     ("activations", "activations_bytes"),
     ("comm", "comm_buffers_bytes"),
 )

@@ -143,6 +143,10 @@ def is_first_chunk(plan: MemoryPlan, pp_rank: int, vp: int) -> bool:
 
 
 def is_last_chunk(plan: MemoryPlan, pp_rank: int, vp: int) -> bool:
+    """The chunk holding the output layer: the last rank's last chunk, or with ZBV's V
+    placement rank 0's chunk 1 (stage 2p - 1)."""
+    if plan.config.pipeline_placement == "v":
+        return pp_rank == 0 and vp == 1
     return pp_rank == plan.pp - 1 and vp == plan.vpp - 1
 
 
