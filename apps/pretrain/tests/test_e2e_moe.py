@@ -55,6 +55,15 @@ LAYOUTS = {
         "--moe-token-dispatcher-type",
         "alltoall",
     ],
+    # FSDP2: dense params sharded over dp 4, experts over their edp 2 (their grads summed
+    # over edp, divided by dp)
+    "ep2-alltoall-fsdp2": [
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--use-torch-fsdp2",
+    ],
     "tp2-sp-ep2-grouped-allgather-distopt": [
         *TP2_SP,
         "--expert-model-parallel-size",
@@ -98,6 +107,20 @@ def test_moe_checkpoint_resumes_at_another_expert_layout(distributed, reference,
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(reference[3:]), rtol=RTOL, atol=0.0
         )
+
+
+def test_fsdp2_ep2_checkpoint_resumes_under_ddp_at_ep4(distributed, reference, tmp_path):
+    """FSDP2 with experts sharded over their edp ranks writes the experts' rows each rank
+    holds under the same keys as DDP: a DDP run at tp2-sp-ep4 (experts resharded) loads
+    the model and Adam state and continues with the single-process losses."""
+    ckpt = str(tmp_path / "ckpt")
+    fsdp2 = MOE + LAYOUTS["ep2-alltoall-fsdp2"]
+    first = distributed.run(4, train, [*fsdp2, "--exit-interval", "3", "--save", ckpt])
+    ep4 = [*MOE, *TP2_SP, "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"]
+    second = distributed.run(4, train, [*ep4, "--load", ckpt])
+    for losses, want in ((last_stage(first), reference[:3]), (last_stage(second), reference[3:])):
+        for got in losses:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0.0)
 
 
 def test_expert_bias_survives_save_and_resume(distributed, tmp_path):

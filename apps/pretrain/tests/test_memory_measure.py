@@ -274,6 +274,28 @@ LAYOUTS = {
         + ALLGATHER
         + ["--moe-grouped-gemm", "--use-distributed-optimizer", "--global-batch-size", "4"],
         # dp 4, edp 2: the expert buffer is sharded over edp, the dense one over dp
+        # FSDP2 with experts split over ep 2: the experts' own units over edp 2, nested in
+        # their layers' over dp 4
+        "moe-fsdp2-ep2-dp4-bf16": [
+            *BF16,
+            *MOE,
+            *EP2,
+            *A2A,
+            "--use-torch-fsdp2",
+            "--global-batch-size",
+            "8",
+        ],
+        "moe-fsdp2-ep2-dp4-optim-grads": [
+            *BF16,
+            *MOE,
+            *EP2,
+            *A2A,
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
+            "optim_grads",
+            "--global-batch-size",
+            "8",
+        ],
         "moe-shared-ep2-edp2-a2a-distopt": BF16
         + MOE
         + EP2

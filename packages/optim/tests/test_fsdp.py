@@ -446,3 +446,57 @@ def test_reshard_frees_what_a_forward_only_pass_gathered(distributed):
         # the bug the app's evaluation ran into: the root's params (inp, out) stay whole
         assert after_forward["module.inp.weight"] == full["module.inp.weight"]
         assert after == shard_rows and held == list(shard_rows.values())
+
+
+class _WithExperts(torch.nn.Module):
+    """A dense linear and an expert module (Megatron's `allreduce = False` marker)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = torch.nn.Linear(4, 6)
+        self.experts = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+        for p in self.experts.parameters():
+            p.allreduce = False
+
+    def forward(self, x):
+        return self.experts(self.dense(x))
+
+
+def _expert_dp_grads():
+    from pentatron.optim.distributed.fsdp import expert_blocks
+
+    grid = initialize_model_parallel(ParallelConfig(ep=2))
+    model = _WithExperts()
+    assert expert_blocks(model) == [model.experts]  # the outermost expert-only module
+    # local grads every rank computes, for the test to reduce by hand
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(grid.global_rank))
+    ref = _WithExperts()
+    ref(x).square().sum().backward()
+    local = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    fsdp = apply_fsdp2(model, grid.group("dp-cp"), expert_dp=grid.group("edp"))
+    fsdp(x).square().sum().backward()
+    shards = {
+        n: (p.grad.to_local().clone(), fsdp.held_rows(p)) for n, p in model.named_parameters()
+    }
+    return local, shards, grid.ranks("edp"), grid.global_rank
+
+
+def test_experts_shard_over_their_own_group_and_reduce_as_ddp(distributed):
+    """With `expert_dp`, expert params are cut over the edp group (2 ranks) and their grads
+    are summed over it and divided by dp (4), as our DDP reduces them; dense params over dp.
+    Dividing experts by their own group's size (FSDP2's default) would double them here."""
+    results = distributed.run(4, _expert_dp_grads)
+    for _own, shards, edp, rank in results:
+        for name, (shard, (lo, hi)) in shards.items():
+            if name.startswith("experts."):  # cut over edp: 2 parts
+                want = sum(results[r][0][name] for r in edp) / 4
+                part, idx = -(-want.shape[0] // 2), edp.index(rank)
+            else:  # over dp: 4 parts
+                want = sum(r[0][name] for r in results) / 4
+                part, idx = -(-want.shape[0] // 4), rank
+            assert (lo, hi) == (
+                min(idx * part, want.shape[0]),
+                min((idx + 1) * part, want.shape[0]),
+            )
+            torch.testing.assert_close(shard, want[lo:hi], rtol=1e-6, atol=1e-7, msg=name)

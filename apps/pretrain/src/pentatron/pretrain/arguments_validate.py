@@ -727,14 +727,6 @@ def _fsdp2(args: argparse.Namespace) -> None:
         )
     if args.fp16:
         _fail("fp16", True, "FSDP2 runs bf16 or fp32 (no fp16 loss scaling)", "use --bf16")
-    if args.expert_model_parallel_size > 1:
-        _fail(
-            "expert-model-parallel-size",
-            args.expert_model_parallel_size,
-            "FSDP2 shards every param over dp x cp; experts split over ep need their own "
-            "expert-data-parallel mesh, which this release does not build",
-            "use ep 1 with FSDP2, or DDP (optionally the distributed optimizer) with ep",
-        )
     etp = args.expert_tensor_parallel_size
     if args.num_experts and etp is not None and etp != args.tensor_model_parallel_size:
         _fail(

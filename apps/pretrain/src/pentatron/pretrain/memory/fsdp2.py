@@ -12,7 +12,8 @@ shape in the compute dtype until the unit's reduce-scatter. Measured by
 - in backward a layer is gathered again while the next one back is prefetched (FSDP2's
   backward prefetch), and its grads are all held just before its reduce-scatter: two
   layers and one layer's grads, with the root grads already complete (final norm, output
-  layer, MTP: used after the decoder in forward);
+  layer, MTP: used after the decoder in forward); experts split over ep are units of their
+  own over edp, nested in their layer's (see `_layers_term`);
 - without reshard after forward (`--data-parallel-sharding-strategy optim_grads`) every
   layer stays gathered from forward to backward: all of them and one layer's grads;
 - at the chunk's end every root grad (the embedding's last), the layers freed.
@@ -23,26 +24,61 @@ output while it is copied out and its reduce-scatter's input (`comm_bytes`).
 from __future__ import annotations
 
 from .plan import MemoryPlan
-from .static import ParamSpec, chunk_parameters
+from .static import ParamSpec, chunk_parameters, fsdp2_shards
 
 # root params whose grads are complete before the decoder's backward starts
 _EARLY = ("decoder.final_layernorm.", "output_layer.", "mtp.")
 
 
 def _gathered(plan: MemoryPlan, params: list[ParamSpec]) -> int:
-    d = plan.dp * plan.cp
-    return sum(-(-p.dim0 // d) * d * (p.numel // p.dim0) for p in params)
+    total = 0
+    for p in params:
+        d = fsdp2_shards(plan, p)
+        total += -(-p.dim0 // d) * d * (p.numel // p.dim0)
+    return total
 
 
-def _units(plan: MemoryPlan, pp_rank: int, vp: int) -> tuple[list[ParamSpec], list[list]]:
+def _units(plan: MemoryPlan, pp_rank: int, vp: int) -> tuple[list[ParamSpec], list, list]:
+    """(root params, each layer's params in its own unit, each layer's nested expert unit:
+    its experts when they are split over ep, else empty)."""
     root: list[ParamSpec] = []
     layers: dict[str, list[ParamSpec]] = {}
+    experts: dict[str, list[ParamSpec]] = {}
+    nested = plan.ep > 1  # the app gives experts their own edp units only then
     for p in chunk_parameters(plan, pp_rank, vp):
         if p.name.startswith("decoder.layers."):
-            layers.setdefault(p.name.split(".")[2], []).append(p)
+            i = p.name.split(".")[2]
+            layers.setdefault(i, [])
+            experts.setdefault(i, [])
+            (experts if nested and p.expert else layers)[i].append(p)
         else:
             root.append(p)
-    return root, list(layers.values())
+    return root, list(layers.values()), list(experts.values())
+
+
+def _layers_term(plan: MemoryPlan, layers: list, experts: list) -> int:
+    """The layers' part of the peak, in elements. In backward each unit prefetches the one
+    before it in forward's order of unit ends (a layer's nested experts end before it): a
+    layer's own unit prefetches its experts, its experts the previous layer's own unit. So
+    while layer i's expert grads are complete (before their reduce-scatter) its own unit,
+    its experts and layer i - 1's own unit are gathered; then its own grads with its own
+    unit and layer i - 1's. Without reshard after forward every unit up to i is gathered."""
+    dense = [_gathered(plan, u) for u in layers]
+    routed = [_gathered(plan, u) for u in experts]
+    g_dense = [sum(p.numel for p in u) for u in layers]
+    g_routed = [sum(p.numel for p in u) for u in experts]
+    worst = 0
+    for i in range(len(layers)):
+        prev = dense[i - 1] if i else 0
+        if plan.fsdp_reshard_after_forward:
+            held = [dense[i] + prev + g_dense[i]]
+            if experts[i]:
+                held.append(dense[i] + routed[i] + prev + g_routed[i])
+        else:
+            upto = sum(dense[: i + 1]) + sum(routed[: i + 1])
+            held = [upto + g_dense[i], upto + g_routed[i]]
+        worst = max(worst, *held)
+    return worst
 
 
 def gathered_bytes(plan: MemoryPlan, pp_rank: int) -> int:
@@ -50,24 +86,14 @@ def gathered_bytes(plan: MemoryPlan, pp_rank: int) -> int:
     holds at once (0 without FSDP2)."""
     if not plan.use_torch_fsdp2:
         return 0
-    e = plan.param_bytes  # the compute dtype's
     roots, worst = 0, 0
     for vp in range(plan.vpp):
-        root, layers = _units(plan, pp_rank, vp)
+        root, layers, experts = _units(plan, pp_rank, vp)
         roots += _gathered(plan, root)
         early = sum(p.numel for p in root if p.name.startswith(_EARLY))
-        sizes = [_gathered(plan, layer) for layer in layers]
-        grads = [sum(p.numel for p in layer) for layer in layers]
-        if not layers:
-            blocks = 0
-        elif plan.fsdp_reshard_after_forward:  # layer i, its prefetched i-1, i's grads
-            blocks = max(
-                sizes[i] + (sizes[i - 1] if i else 0) + grads[i] for i in range(len(layers))
-            )
-        else:
-            blocks = sum(sizes) + max(grads)
+        blocks = _layers_term(plan, layers, experts) if layers else 0
         worst = max(worst, blocks + early, sum(p.numel for p in root))
-    return e * (roots + worst)
+    return plan.param_bytes * (roots + worst)
 
 
 def staging_bytes(plan: MemoryPlan, pp_rank: int) -> int:
@@ -79,6 +105,7 @@ def staging_bytes(plan: MemoryPlan, pp_rank: int) -> int:
         return 0
     largest = 0
     for vp in range(plan.vpp):
-        root, layers = _units(plan, pp_rank, vp)
-        largest = max([largest, _gathered(plan, root), *(_gathered(plan, u) for u in layers)])
+        root, layers, experts = _units(plan, pp_rank, vp)
+        units = [root, *layers, *(u for u in experts if u)]
+        largest = max([largest, *(_gathered(plan, u) for u in units)])
     return largest * (plan.param_bytes + plan.fsdp_reduce_bytes)

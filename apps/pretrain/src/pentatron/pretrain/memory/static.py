@@ -244,18 +244,27 @@ def _buffer_bytes(plan: MemoryPlan, params: list[ParamSpec], dp: int, dp_rank: i
     )
 
 
-def _fsdp2_bytes(plan: MemoryPlan, params: list[ParamSpec], rank: int) -> StaticBytes:
-    """FSDP2 over D = dp x cp ranks, rank `rank` of them: every param (widened to fp32: the
-    shards are the main params) cut along dim 0 into D parts of ceil(rows / D) rows, each
-    rank's stored padded to that; its grad the same (one flat fp32 buffer per FSDP unit);
-    optimizer state over the rows this rank holds, plus `step` per param."""
-    d = plan.dp * plan.cp
+def fsdp2_shards(plan: MemoryPlan, p: ParamSpec) -> int:
+    """The ranks FSDP2 cuts `p` over: dp x cp, or for experts split over ep their edp."""
+    return plan.edp if p.expert and plan.ep > 1 else plan.dp * plan.cp
+
+
+def _fsdp2_bytes(
+    plan: MemoryPlan, params: list[ParamSpec], rank: int, expert_rank: int
+) -> StaticBytes:
+    """FSDP2 over D ranks (`fsdp2_shards`), this rank `rank` of them (`expert_rank` for
+    experts over edp): every param (widened to fp32: the shards are the main params) cut
+    along dim 0 into D parts of ceil(rows / D) rows, each rank's stored padded to that; its
+    grad the same (one flat fp32 buffer per FSDP unit); optimizer state over the rows this
+    rank holds, plus `step` per param."""
     padded = held = 0
     for p in params:
+        d = fsdp2_shards(plan, p)
+        r = expert_rank if d != plan.dp * plan.cp else rank
         rows, cols = p.dim0, p.numel // p.dim0
         part = -(-rows // d)
         padded += part * cols
-        held += max(0, min(part, rows - rank * part)) * cols
+        held += max(0, min(part, rows - r * part)) * cols
     state_per_elem = {"adam": 8, "sgd": 4}[plan.optimizer]
     return StaticBytes(
         num_parameters=sum(p.numel for p in params),
@@ -274,7 +283,8 @@ def static_bytes(
     total = StaticBytes()
     for vp in range(plan.vpp):
         if plan.use_torch_fsdp2:
-            total.add(_fsdp2_bytes(plan, chunk_parameters(plan, pp_rank, vp), dp_rank))
+            params = chunk_parameters(plan, pp_rank, vp)
+            total.add(_fsdp2_bytes(plan, params, dp_rank, edp_rank))
             continue
         params = list(reversed(chunk_parameters(plan, pp_rank, vp)))
         dense = [p for p in params if not p.expert]

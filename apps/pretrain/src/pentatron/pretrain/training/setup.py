@@ -138,6 +138,8 @@ def fsdp2_chunk(model: torch.nn.Module, args, grid: ProcessGrid) -> FSDP2DataPar
         blocks=list(layers),
         # every rank initialised the same weights (layout-independent init)
         broadcast_params=False,
+        # experts split over ep shard over their own data-parallel ranks (edp)
+        expert_dp=grid.group("edp") if grid.size("ep") > 1 else None,
     )
 
 

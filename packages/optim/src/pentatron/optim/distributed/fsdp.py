@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ class FSDP2DataParallel(torch.nn.Module):
         dp_mesh: DeviceMesh,
         dp_group: Any = None,
         defer_reduce: bool = False,
+        expert_dp_group: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, FSDPModule):
@@ -89,6 +90,7 @@ class FSDP2DataParallel(torch.nn.Module):
         # name, which torch may map to a destroyed group once grids are re-created.
         self.dp_group = dp_mesh.get_group() if dp_group is None else dp_group
         self.defer_reduce = defer_reduce
+        self.expert_dp_group = expert_dp_group  # experts' own mesh (apply_fsdp2's expert_dp)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -133,11 +135,14 @@ class FSDP2DataParallel(torch.nn.Module):
 
     def held_rows(self, param: torch.Tensor) -> tuple[int, int]:
         """Rows `[lo, hi)` of dim 0 of `param` (one of this module's `Shard(0)` params) that
-        this rank holds: torch.chunk's cut over dp, `ceil(n/d)` rows a rank, the last ones
+        this rank holds: torch.chunk's cut over its mesh (dp, or for experts with
+        `expert_dp` the expert-data-parallel group), `ceil(n/d)` rows a rank, the last ones
         fewer or none."""
-        n, d = param.shape[0], dist.get_world_size(self.dp_group)
+        expert = getattr(param, "allreduce", True) is False
+        group = self.expert_dp_group if expert and self.expert_dp_group else self.dp_group
+        n, d = param.shape[0], dist.get_world_size(group)
         rows = -(-n // d)
-        lo = min(n, dist.get_rank(self.dp_group) * rows)
+        lo = min(n, dist.get_rank(group) * rows)
         hi = min(n, lo + rows)
         if local_tensor(param).shape[0] != hi - lo:
             raise RuntimeError(f"FSDP2 shard of {n} rows over {d}: expected {hi - lo} rows here")
@@ -172,6 +177,7 @@ def apply_fsdp2(
     blocks: Iterable[torch.nn.Module] | None = None,
     broadcast_params: bool = True,
     defer_reduce: bool = False,
+    expert_dp: DeviceMesh | Any = None,
 ) -> FSDP2DataParallel:
     """Shard `module` over `dp` (a 1-D `DeviceMesh` or a process group) with FSDP2.
 
@@ -182,6 +188,13 @@ def apply_fsdp2(
     `broadcast_params` first copies the params of dp rank 0 to every rank (as our DDP does),
     so the shards cut from them agree. `defer_reduce`: see `FSDP2DataParallel` (False:
     reduce-scatter every micro-batch, grads stay sharded).
+
+    `expert_dp` (expert parallelism): the expert-data-parallel mesh or group. Each module
+    holding only expert params (`expert_blocks`: Megatron's `allreduce = False` marker),
+    outermost first, becomes its own unit over it, nested in its layer's: its rows are cut
+    over edp, and its grads are summed over edp and divided by dp (not edp), as our DDP
+    reduces them: an expert's grad gathers the tokens of every dp rank of its ep group, and
+    the loss is a mean over dp.
     """
     device = next(module.parameters()).device
     mesh = _as_mesh(dp, device.type)
@@ -193,6 +206,28 @@ def apply_fsdp2(
                 comm.broadcast(p.data, src=src, group=group)
     attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    expert_group = None
+    if expert_dp is not None:
+        expert_mesh = _as_mesh(expert_dp, device.type)
+        expert_group = expert_dp.get_group() if isinstance(expert_dp, DeviceMesh) else expert_dp
+        for block in expert_blocks(module):
+            fully_shard(
+                block,
+                mesh=expert_mesh,
+                mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+            )
+            unit = cast(FSDPModule, block)
+            if not hasattr(unit, "set_force_sum_reduction_for_comms"):
+                raise RuntimeError(
+                    f"expert_dp with torch {torch.__version__}: the rule: experts reduce "
+                    "with FSDP2's set_gradient_divide_factor and "
+                    "set_force_sum_reduction_for_comms, which this torch lacks; fix: a newer "
+                    "torch, or DDP (with the distributed optimizer) for expert parallelism"
+                )
+            unit.set_gradient_divide_factor(float(dist.get_world_size(group)))
+            if dist.get_backend(expert_group) == "gloo":  # no PREMUL_SUM there
+                unit.set_force_sum_reduction_for_comms(True)  # sum, then divide
     for block in default_blocks(module) if blocks is None else blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's params are used last in forward and first in backward: keep them gathered.
@@ -200,7 +235,20 @@ def apply_fsdp2(
     for name, p in module.named_parameters():
         for key, value in attrs.get(name, {}).items():
             setattr(p, key, value)
-    return FSDP2DataParallel(module, mesh, group, defer_reduce)
+    return FSDP2DataParallel(module, mesh, group, defer_reduce, expert_group)
+
+
+def expert_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost submodules whose params are all expert params (Megatron's
+    `allreduce = False`): MoE layers' experts."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    for name, m in module.named_modules():
+        params = list(m.parameters())
+        if not params or not all(getattr(p, "allreduce", True) is False for p in params):
+            continue
+        if not any(name.startswith(f"{outer}.") for outer, _ in out):
+            out.append((name, m))
+    return [m for _, m in out]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
