@@ -147,10 +147,13 @@ def test_derived_values_for_the_readme_layout():
             2,
             "--use-distributed-optimizer",
         ),
-        (
-            ["--use-torch-fsdp2", "--num-experts", "4", "--expert-model-parallel-size", "2"],
-            2,
-            "--expert-model-parallel-size",
+        (  # FSDP2 cuts experts over the mesh of edp ranks; their etp must be tp
+            [
+                *("--use-torch-fsdp2", "--num-experts", "4"),
+                *("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"),
+            ],
+            4,
+            "--expert-tensor-parallel-size",
         ),
         (
             [
