@@ -12,13 +12,13 @@ shape in the compute dtype until the unit's reduce-scatter. Measured by
 - in backward a layer is gathered again while the next one back is prefetched (FSDP2's
   backward prefetch), and its grads are all held just before its reduce-scatter: two
   layers and one layer's grads, with the root grads already complete (final norm, output
-  layer, MTP: used after the decoder in forward); experts split over ep are units of their
+  layer: used after the decoder in forward; MTP's too, a layout not measured); experts split over ep are units of their
   own over edp, nested in their layer's (see `_layers_term`);
 - without reshard after forward (`--data-parallel-sharding-strategy optim_grads`) every
   layer stays gathered from forward to backward: all of them and one layer's grads;
 - at the chunk's end every root grad (the embedding's last), the layers freed.
 Not counted (inside FSDP2's hooks, like the other comm buffers): a unit's flat all-gather
-output while it is copied out and its reduce-scatter's input (`comm_bytes`).
+output while it is copied out and its reduce-scatter's input (`staging_bytes`).
 """
 
 from __future__ import annotations
