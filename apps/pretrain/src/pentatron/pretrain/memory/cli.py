@@ -27,7 +27,6 @@ from ..arguments import ArgumentError, build_parser, validate_args, yaml_default
 from .plan import MemoryPlan, MemoryPlanError, derive_dp, plan_from_args
 from .presets import from_hf_config, preset
 from .report import memory_report, plot, print_table
-from .zero_bubble import check_sized, is_zero_bubble
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -136,8 +135,6 @@ def _validated(
     plan.config = dataclasses.replace(plan.config, **late)
     plan.dp = dp
     plan.name = args.preset or args.hf_config or "custom"
-    if is_zero_bubble(plan):
-        check_sized(plan)
     if plan.config.is_moe and plan.config.num_moe_experts % ep:
         raise MemoryPlanError(
             f"--expert-model-parallel-size={ep}: must divide the {plan.config.num_moe_experts} "
@@ -150,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         plan, args = build_plan(argv)
+        stages = memory_report(plan, args.device_memory_gb)  # a layout it cannot size: raises
     except (ArgumentError, MemoryPlanError, ValueError) as exc:
         print(f"pentatron-memory: error: {exc}", file=sys.stderr)
         return 2
-    stages = memory_report(plan, args.device_memory_gb)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in stages], indent=1))
     else:

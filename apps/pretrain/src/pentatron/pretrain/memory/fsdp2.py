@@ -24,7 +24,7 @@ output while it is copied out and its reduce-scatter's input (`staging_bytes`).
 from __future__ import annotations
 
 from .plan import MemoryPlan
-from .static import ParamSpec, chunk_parameters, fsdp2_shards
+from .static import ParamSpec, chunk_parameters, fsdp2_on_edp, fsdp2_shards
 
 # root params whose grads are complete before the decoder's backward starts
 _EARLY = ("decoder.final_layernorm.", "output_layer.", "mtp.")
@@ -44,13 +44,12 @@ def _units(plan: MemoryPlan, pp_rank: int, vp: int) -> tuple[list[ParamSpec], li
     root: list[ParamSpec] = []
     layers: dict[str, list[ParamSpec]] = {}
     experts: dict[str, list[ParamSpec]] = {}
-    nested = plan.ep > 1  # the app gives experts their own edp units only then
     for p in chunk_parameters(plan, pp_rank, vp):
         if p.name.startswith("decoder.layers."):
             i = p.name.split(".")[2]
             layers.setdefault(i, [])
             experts.setdefault(i, [])
-            (experts if nested and p.expert else layers)[i].append(p)
+            (experts if fsdp2_on_edp(plan, p) else layers)[i].append(p)
         else:
             root.append(p)
     return root, list(layers.values()), list(experts.values())

@@ -60,12 +60,8 @@ class MeasuredMemory:
 class _SavedTensorLedger:
     """Attributes each saved tensor's storage to the micro-batch whose forward saved it."""
 
-    def __init__(self, param_storages: set[int], live_params: Any = None) -> None:
+    def __init__(self, param_storages: set[int]) -> None:
         self.param_storages = param_storages
-        # FSDP2: the storages of the params the modules hold now (gathered ones included),
-        # since a view of a gathered param is saved too and its storage is freed after
-        # forward (an activation allocated there later would share its address)
-        self.live_params = live_params
         self.per_mb: list[dict[int, int]] = []
         # the current forward's storages, sized when it ends: an output-discarding
         # checkpoint (mla_up_proj, moe_act) frees a saved storage within the forward
@@ -127,8 +123,10 @@ class _SavedTensorLedger:
         if self.current is not None and not isinstance(t, torch.nn.Parameter):
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            params = self.param_storages if self.live_params is None else self.live_params()
-            if ptr not in params and st.nbytes() > 0:
+            # FSDP2: a view of a gathered param is saved too, and its storage is freed
+            # after forward (an activation allocated there later would share its address)
+            gathered = self.sampler.gathered if self.sampler is not None else set()
+            if ptr not in self.param_storages and ptr not in gathered and st.nbytes() > 0:
                 self.pending[ptr] = st
         return (self.current, t)
 
@@ -223,6 +221,7 @@ class _GatheredSampler:
         self.hooked: set[int] = set()
         self.handles: list[Any] = []
         self.peak = 0
+        self.gathered: set[int] = set()  # storages of the params gathered now
 
     def close(self) -> None:
         """Drop the hooks and FSDP2's objects: a hook on a param that holds this sampler
@@ -238,8 +237,13 @@ class _GatheredSampler:
             for g in self.groups
             if g._all_gather_result is not None
         )
+        self.gathered = set()
         for fp in self.params:
-            total += sum(t.untyped_storage().nbytes() for t in fp.all_gather_outputs)
+            for t in fp.all_gather_outputs:
+                st = t.untyped_storage()
+                if st.nbytes():
+                    total += st.nbytes()
+                    self.gathered.add(st.data_ptr())
             unsharded = getattr(fp, "_unsharded_param", None)
             if unsharded is not None:
                 if id(unsharded) not in self.hooked:
@@ -251,25 +255,6 @@ class _GatheredSampler:
             if fp.unsharded_accumulated_grad is not None:
                 total += fp.unsharded_accumulated_grad.untyped_storage().nbytes()
         self.peak = max(self.peak, total)
-
-
-def _live_params(chunks) -> Any:
-    """FSDP2 chunks: a function giving the storages of every param the modules hold now
-    (FSDP2 swaps the gathered params in around each unit's forward and backward); else
-    None."""
-    if hasattr(chunks[0], "all_buffers"):
-        return None
-
-    def live() -> set[int]:
-        return {
-            _local(p).untyped_storage().data_ptr()
-            for c in chunks
-            for m in c.module.modules()
-            for p in m._parameters.values()
-            if p is not None
-        }
-
-    return live
 
 
 def _static_bytes(chunks, optimizer) -> dict[str, int]:
@@ -319,7 +304,7 @@ def measure(argv: list[str]) -> MeasuredMemory:
         storages = {
             _local(p).untyped_storage().data_ptr() for c in chunks for p in c.module.parameters()
         }
-        ledger = _SavedTensorLedger(storages, _live_params(chunks))
+        ledger = _SavedTensorLedger(storages)
         fsdp2 = not hasattr(chunks[0], "all_buffers")
         ledger.sampler = _GatheredSampler(chunks) if fsdp2 else None
         inner = make_forward_step(grid, args.micro_batch_size, args.seq_length)

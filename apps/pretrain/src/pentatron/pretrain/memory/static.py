@@ -244,9 +244,14 @@ def _buffer_bytes(plan: MemoryPlan, params: list[ParamSpec], dp: int, dp_rank: i
     )
 
 
+def fsdp2_on_edp(plan: MemoryPlan, p: ParamSpec) -> bool:
+    """Experts split over ep: the app shards them over their edp ranks."""
+    return p.expert and plan.ep > 1
+
+
 def fsdp2_shards(plan: MemoryPlan, p: ParamSpec) -> int:
     """The ranks FSDP2 cuts `p` over: dp x cp, or for experts split over ep their edp."""
-    return plan.edp if p.expert and plan.ep > 1 else plan.dp * plan.cp
+    return plan.edp if fsdp2_on_edp(plan, p) else plan.dp * plan.cp
 
 
 def _fsdp2_bytes(
@@ -260,7 +265,7 @@ def _fsdp2_bytes(
     padded = held = 0
     for p in params:
         d = fsdp2_shards(plan, p)
-        r = expert_rank if d != plan.dp * plan.cp else rank
+        r = expert_rank if fsdp2_on_edp(plan, p) else rank
         rows, cols = p.dim0, p.numel // p.dim0
         part = -(-rows // d)
         padded += part * cols

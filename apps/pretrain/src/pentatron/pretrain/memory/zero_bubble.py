@@ -94,6 +94,7 @@ def _ops(plan: MemoryPlan, pp_rank: int) -> list:
 def peaks(plan: MemoryPlan, pp_rank: int) -> tuple[int, int]:
     """(saved activations at their peak, saved activations plus pending W's at theirs)
     along the rank's schedule, sampled before each op and at the end."""
+    check_sized(plan)
     act = [chunk_activations(plan, pp_rank, vp).total for vp in range(plan.vpp)]
     wgrad = [wgrad_bytes(plan, pp_rank, vp) for vp in range(plan.vpp)]
     live = pending = peak_act = peak_all = 0
