@@ -89,6 +89,18 @@ LAYOUTS = {
             "8",
         ],
     ),
+    # world 8: Megatron's custom layout at tp2 x pp2 x dp2, SP, ZeRO-1 with both overlaps:
+    # rank 0's second chunk is empty (no layer, no parameter), pipeline rank 1's second
+    # holds only the final norm and the loss
+    "layout-tp2-pp2-dp2": (
+        8,
+        [
+            *TP2_PP2,
+            *("--pipeline-model-parallel-layout", "Et|ttt||L", "--sequence-parallel"),
+            *("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"),
+            *("--global-batch-size", "8"),
+        ],
+    ),
     # world 8: fp16 with dynamic loss scaling at tp2 x pp2 x dp2 with SP and the distributed
     # optimizer (the scaled loss, the unscale with its inf check agreed over the grid)
     "fp16-tp2-pp2-dp2": (

@@ -74,6 +74,16 @@ def test_zbv_step_runs_on_the_fake_gpu(tmp_path):
         assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
 
 
+def test_custom_pipeline_layout_step_runs_on_the_fake_gpu(tmp_path):
+    """A chunk without layers or parameters (rank 0's second) and one with only the loss
+    (rank 7's second) keep to the device's rules, with ZeRO-1's overlapped buckets."""
+    result = _ok(dry_run(tmp_path, "layout-tp2-pp2-dp2", "0,7"))
+    for rank, r in result.items():
+        assert r["iterations"] == 2
+        assert r["gemm_dtypes"] == ["torch.bfloat16"], (rank, r["gemm_dtypes"])
+        assert r["reads_per_step"] == [2, 2], (rank, r["reads_per_step"])
+
+
 def test_moe_step_runs_on_the_fake_gpu(tmp_path):
     """MoE, with gpt-oss's attention and GLU variants on (learnable sinks: their padded q/k/v
     and sink key; a sliding window on every second layer: its mask; the GLU clamp): all made

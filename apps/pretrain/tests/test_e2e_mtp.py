@@ -5,6 +5,8 @@ norms (before clipping, every rank) of one process, fp32, rtol 1e-6 (the order o
 - a DeepSeek-like tiny model (MLA, a dense first layer then MoE with a shared expert, two
   MTP depths, so the MTP layers are MoE) at tp2-pp2-dp2 with SP and the distributed
   optimizer (the MTP layers and the embedding's copy on the last stage) and at tp2-ep2+SP;
+- the same under Megatron's custom pipeline layout 'Et||ttt|mmL' at pp2-dp2 (the MTP
+  layers and the loss alone in the last stage, an empty stage before it);
 - a dense GPT at cp2-tp2+SP (the rolls cross the cp chunks) and, with
   --calculate-per-token-loss, at pp2-dp2.
 Planted: MTP token counts not summed over cp fail the cp2 comparison. A checkpoint saved
@@ -49,6 +51,13 @@ CASES = {  # name: (reference flags, layout flags, world)
     "deepseek-tp2-ep2-sp": (DEEPSEEK, [*TP2, "--expert-model-parallel-size", "2"], 4),
     "dense-cp2-tp2-sp": (DENSE, [*TP2, "--context-parallel-size", "2"], 4),
     "per-token-pp2-dp2": (PER_TOKEN, ["--pipeline-model-parallel-size", "2"], 4),
+    # Megatron's custom layout: the two MTP layers with the loss in a stage without
+    # transformer layers, after an empty stage (pp2 with 2 stages a rank)
+    "deepseek-pp2-layout-dp2": (
+        DEEPSEEK,
+        ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et||ttt|mmL"],
+        4,
+    ),
 }
 
 

@@ -143,6 +143,21 @@ LAYOUTS = {
             "--untie-embeddings-and-output-weights",
         ],
         "pp2-1f1b": [*BF16, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+        # Megatron's custom layout: the embedding and a layer, an empty stage, three layers,
+        # then the two MTP layers with the loss (interleaved, vpp 2 from the string)
+        "pp2-layout-mtp": [
+            *MTP,
+            *("--pipeline-model-parallel-size", "2", "--global-batch-size", "8"),
+            *("--pipeline-model-parallel-layout", "Et||ttt|mmL"),
+        ],
+        # the embedding and the loss counted as layers: 6 slots over 2 x 3 stages, the
+        # first and the last without a transformer layer
+        "pp2-vpp3-accounted-bf16": [
+            *BF16,
+            *("--pipeline-model-parallel-size", "2", "--global-batch-size", "8"),
+            *("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
+            *("--num-virtual-stages-per-pipeline-rank", "3"),
+        ],
         "dp2-distopt-bf16": [
             *BF16,
             "--use-distributed-optimizer",

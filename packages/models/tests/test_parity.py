@@ -52,7 +52,7 @@ from pentatron.pipeline import PipelineConfig, get_forward_backward_func
 from pentatron.tp_layers import model_parallel_seed
 
 WORLD = 4
-LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
+LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec[, pipeline layout])
     (1, 1, None, False, True, "local"),
     (2, 1, None, False, True, "local"),
     (2, 1, None, True, True, "local"),
@@ -67,6 +67,10 @@ LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, spec)
     (4, 1, None, True, True, "te-torch"),
     (2, 2, 2, True, True, "te-torch"),
     (2, 2, 2, True, True, "local-fused"),
+    # Megatron's custom layouts (pipeline_model_parallel_layout): a chunk with only the
+    # embedding, one with only the final norm and the loss, an empty middle chunk
+    (2, 2, 2, True, True, "local", "E|tt|tt|L"),
+    (1, 2, 2, False, False, "local", "Et|tt||tL"),
 ]
 SPECS = {
     "local": get_gpt_layer_local_spec,
@@ -106,11 +110,12 @@ def _run(grid, config, chunks, data):
 
 
 def _case(grid, base, layout, states, data):
-    tp, pp, vpp, sp, tied, spec = layout
+    tp, pp, vpp, sp, tied, spec = layout[:6]
     config = dataclasses.replace(
         with_layout(base, tp, pp, vpp, sp),
         untie_embeddings_and_output_weights=not tied,
         bias_activation_fusion=spec.endswith("-fused"),
+        pipeline_model_parallel_layout=layout[6] if len(layout) > 6 else None,
     )
     chunks = build_model_chunks(
         config,
@@ -136,6 +141,10 @@ def _case(grid, base, layout, states, data):
             tied_after["first" if c.pre_process else "last"] = c.shared_embedding_or_output_weight()
     return {
         "tp_rank": grid.rank("tp"),
+        "pp_rank": grid.rank("pp"),
+        "layers": [
+            list(range(c.layer_offset, c.layer_offset + len(c.decoder.layers))) for c in chunks
+        ],
         "fused_norms": sum(
             n.endswith("layer_norm_weight") for c in chunks for n, _ in c.named_parameters()
         ),
@@ -184,7 +193,11 @@ def _merged_grads(results, config):
 
 
 @pytest.mark.parametrize(
-    "layout", LAYOUTS, ids=lambda lay: "tp{}-pp{}-vpp{}-sp{}-tied{}-{}".format(*lay)
+    "layout",
+    LAYOUTS,
+    ids=lambda lay: (
+        "tp{}-pp{}-vpp{}-sp{}-tied{}-{}".format(*lay) + "".join(f"-{x}" for x in lay[6:])
+    ),
 )
 def test_losses_and_grads_match_single_process(parity, layout):
     base, refs, results = parity
@@ -193,7 +206,18 @@ def test_losses_and_grads_match_single_process(parity, layout):
     for r in results:  # each layer's two norms live in its linears in the TE layout only
         layers = base.num_layers // layout[1]
         assert r["fused_norms"] == (2 * layers if layout[5] == "te-torch" else 0)
+    if len(layout) > 6:  # each chunk built the layers its stage of the string holds
+        built = {r["pp_rank"]: r["layers"] for r in results}
+        assert built == CUSTOM_LAYERS[layout[6]], built
     assert_matches_reference(base, results, layout, ref_losses, ref_grads)
+
+
+# pp rank -> [global layers of chunk 0, of chunk 1], read off the strings by hand (stage s
+# is chunk s // pp of rank s % pp)
+CUSTOM_LAYERS = {
+    "E|tt|tt|L": {0: [[], [2, 3]], 1: [[0, 1], []]},
+    "Et|tt||tL": {0: [[0], []], 1: [[1, 2], [3]]},
+}
 
 
 def assert_matches_reference(base, results, layout, ref_losses, ref_grads) -> dict:

@@ -222,6 +222,16 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument(
+        "--pipeline-model-parallel-layout",
+        default=None,
+        help="Megatron's custom layout: E embedding, t transformer layer, m MTP layer, L loss; "
+        "'|' separates virtual stages (round robin over the pp ranks), x*n and (...)*n repeat, "
+        "commas are cosmetic; e.g. 'Et*3|(tt|)*29,|mL'. Sets the virtual stages per rank",
+    )
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument(

@@ -211,46 +211,6 @@ def _hierarchical_cp(args: argparse.Namespace, cp: int) -> int:
     return sizes[0]
 
 
-def _virtual_stages(args: argparse.Namespace) -> None:
-    pp, layers = args.pipeline_model_parallel_size, args.num_layers
-    per_v = args.num_layers_per_virtual_pipeline_stage
-    if per_v is not None:
-        if pp == 1:
-            _fail(
-                "num-layers-per-virtual-pipeline-stage",
-                per_v,
-                "virtual stages need --pipeline-model-parallel-size > 1",
-                "drop the flag or set pp > 1",
-            )
-        if layers % (pp * per_v):
-            _fail(
-                "num-layers-per-virtual-pipeline-stage",
-                per_v,
-                f"--num-layers {layers} must be divisible by pp*{per_v} = {pp * per_v}",
-                "change the layers per virtual stage or the number of layers",
-            )
-        vpp = layers // (pp * per_v)
-        if args.virtual_pipeline_model_parallel_size not in (None, vpp):
-            _fail(
-                "virtual-pipeline-model-parallel-size",
-                args.virtual_pipeline_model_parallel_size,
-                f"disagrees with --num-layers-per-virtual-pipeline-stage {per_v} ({vpp})",
-                "pass only one of them",
-            )
-        args.virtual_pipeline_model_parallel_size = vpp
-    vpp = args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp == 1:
-        args.virtual_pipeline_model_parallel_size = vpp = None
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if first is None and last is None and layers % (pp * (vpp or 1)):
-        _fail(
-            "num-layers",
-            layers,
-            f"must be divisible by pp*vpp = {pp}*{vpp or 1} for an even split",
-            "change --num-layers, or set --decoder-first/last-pipeline-num-layers",
-        )
-
-
 def _pipeline_schedule(args: argparse.Namespace) -> None:
     """--pipeline-schedule against the layout: the default is Megatron's pick."""
     schedule, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
@@ -300,6 +260,30 @@ def _zbv(args: argparse.Namespace) -> None:
     model is built as two virtual stages (vpp 2, V placement), evenly split."""
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     refused = [
+        (
+            "pipeline-model-parallel-layout",
+            args.pipeline_model_parallel_layout,
+            "the V places its 2p stages itself, evenly",
+            "drop the flag",
+        ),
+        (
+            "num-virtual-stages-per-pipeline-rank",
+            args.num_virtual_stages_per_pipeline_rank,
+            "ZBV's two chunks per rank are its V, not interleaved virtual stages",
+            "drop the flag",
+        ),
+        (
+            "account-for-embedding-in-pipeline-split",
+            args.account_for_embedding_in_pipeline_split or None,
+            "the V splits the layers evenly over its 2p stages",
+            "drop the flag",
+        ),
+        (
+            "account-for-loss-in-pipeline-split",
+            args.account_for_loss_in_pipeline_split or None,
+            "the V splits the layers evenly over its 2p stages",
+            "drop the flag",
+        ),
         (
             "virtual-pipeline-model-parallel-size",
             args.virtual_pipeline_model_parallel_size,
@@ -890,7 +874,9 @@ def validate_args(
         "save_interval",
     )
     _parallel_layout(args, world_size)
-    _virtual_stages(args)
+    from .arguments_pipeline import virtual_stages  # (it imports this module's _fail)
+
+    virtual_stages(args)
     _model_shape(args)
     _context_parallel(args)
     _batch(args)

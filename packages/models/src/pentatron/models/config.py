@@ -8,13 +8,14 @@ split over the pipeline is checked with `pentatron.pipeline.StageLayout`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pentatron.pipeline import PipelineConfigError, StageLayout
+from pentatron.pipeline import PipelineConfigError, PipelineLayout, StageLayout
 
 from .config_checks import (
     ModelConfigError,
@@ -173,6 +174,13 @@ class TransformerConfig:
     pipeline_placement: str = "loop"
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    # Megatron's even split with the embedding / the loss counted as a layer of the first /
+    # last virtual stage (so that stage builds one transformer layer fewer)
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    # Megatron's custom layout: what every virtual stage holds, as a string ("Et*3|(tt|)*29,
+    # |mL") or a list of stages (pentatron.pipeline.custom_layout); vpp follows from it
+    pipeline_model_parallel_layout: str | list[list[str]] | None = None
     # --- context parallelism (validated in config_checks.check_context_parallel) ---
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"  # "p2p" (ring) | "all_gather" | "a2a" (Ulysses) | "a2a+p2p"
@@ -473,6 +481,8 @@ class TransformerConfig:
             for name, bad, why, fix in refused:
                 if bad:
                     _fail(name, getattr(self, name), f"with pipeline_placement='v': {why}", fix)
+        if self.pipeline_model_parallel_layout is not None:
+            self._check_custom_layout()
         try:
             self.stage_layout()
         except PipelineConfigError as exc:
@@ -482,16 +492,63 @@ class TransformerConfig:
                 f"virtual_pipeline_model_parallel_size={vpp}): {exc}"
             ) from None
 
+    def _check_custom_layout(self) -> None:
+        """Megatron's rules for pipeline_model_parallel_layout; sets vpp from it (None for
+        one stage per rank), as Megatron's TransformerConfig does."""
+        others = {
+            "num_layers_in_first_pipeline_stage": self.num_layers_in_first_pipeline_stage,
+            "num_layers_in_last_pipeline_stage": self.num_layers_in_last_pipeline_stage,
+            "account_for_embedding_in_pipeline_split": self.account_for_embedding_in_pipeline_split
+            or None,
+            "account_for_loss_in_pipeline_split": self.account_for_loss_in_pipeline_split or None,
+        }
+        for name, value in others.items():
+            if value is not None:
+                _fail(
+                    name,
+                    value,
+                    "pipeline_model_parallel_layout already places every layer (Megatron-LM)",
+                    f"drop {name} or pipeline_model_parallel_layout",
+                )
+        try:
+            layout = self.custom_layout()
+            assert layout is not None
+            layout.check(self.num_layers, self.mtp_num_layers)
+        except PipelineConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+        detected = layout.vpp if layout.vpp > 1 else None
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp != detected:
+            _fail(
+                "virtual_pipeline_model_parallel_size",
+                vpp,
+                f"pipeline_model_parallel_layout has {layout.vpp} stage(s) per pipeline rank",
+                f"set it to {detected} or leave it None",
+            )
+        self.virtual_pipeline_model_parallel_size = detected
+
     # --- derived values ----------------------------------------------------------------------
+    def custom_layout(self) -> PipelineLayout | None:
+        """pipeline_model_parallel_layout parsed (None without one)."""
+        layout = self.pipeline_model_parallel_layout
+        if layout is None:
+            return None
+        key = layout if isinstance(layout, str) else tuple(tuple(stage) for stage in layout)
+        return _parse_layout(key, self.pipeline_model_parallel_size)
+
     def stage_layout(self) -> StageLayout:
         """Which layers each (pipeline rank, virtual stage) builds (see pentatron.pipeline)."""
+        custom = self.custom_layout()
         return StageLayout(
             num_layers=self.num_layers,
             pp=self.pipeline_model_parallel_size,
             vpp=self.virtual_pipeline_model_parallel_size,
             first_stage_layers=self.num_layers_in_first_pipeline_stage,
             last_stage_layers=self.num_layers_in_last_pipeline_stage,
+            account_for_embedding=self.account_for_embedding_in_pipeline_split,
+            account_for_loss=self.account_for_loss_in_pipeline_split,
             placement=self.pipeline_placement,
+            stage_layers=None if custom is None else custom.decoder_layers(),
         )
 
     @property
@@ -579,3 +636,9 @@ class TransformerConfig:
     @property
     def share_embeddings_and_output_weights(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_layout(layout: str | tuple[tuple[str, ...], ...], pp: int) -> PipelineLayout:
+    # stage_layout() runs once per layer built; the string is parsed once
+    return PipelineLayout.parse(layout, pp)

@@ -281,7 +281,10 @@ class GPTModel(torch.nn.Module):
             position_ids = self._cp_position_ids(input_ids)
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary = None
-        if self.position_embedding_type in ROTARY_EMBEDDINGS:
+        # a chunk without layers (a custom layout's empty or embedding-only stage) has no
+        # attention to rotate for, and maybe no parameter to take the device from
+        uses_rotary = len(self.decoder.layers) > 0 or self.mtp_process
+        if self.position_embedding_type in ROTARY_EMBEDDINGS and uses_rotary:
             s = self._seq_len(input_ids, position_ids)
             rotary = self.rotary_pos_emb(position_ids, s, device=self._device())
         hidden = self.decoder(hidden, attention_mask, rotary)

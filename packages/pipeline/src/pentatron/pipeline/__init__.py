@@ -1,10 +1,12 @@
 """pentatron.pipeline: p2p between pipeline stages, no-pipelining / 1F1B / interleaved /
-zero-bubble (ZB-H1) schedules, the schedule table, stage layout, timelines and bubble accounting."""
+zero-bubble (ZB-H1) schedules, the schedule table, stage layout (and Megatron's custom layout
+strings), timelines and bubble accounting."""
 
 from importlib.metadata import version as _distribution_version
 
 from .bubble import BubbleReport, bubble_report, ideal_bubble_fraction
 from .config import PipelineConfig, PipelineConfigError, check_schedule, tensor_shape
+from .custom_layout import PipelineLayout, parse_layout_string
 from .layout import StageLayout
 from .p2p import P2PCommunicator
 from .schedule_table import (
@@ -40,6 +42,7 @@ __all__ = [
     "P2PCommunicator",
     "PipelineConfig",
     "PipelineConfigError",
+    "PipelineLayout",
     "SCHEDULES",
     "ScheduleDeadlock",
     "StageLayout",
@@ -59,6 +62,7 @@ __all__ = [
     "get_forward_backward_func",
     "get_schedule_table",
     "ideal_bubble_fraction",
+    "parse_layout_string",
     "phase_counts",
     "rank_schedule",
     "simulate",

@@ -8,7 +8,10 @@ As in Megatron-LM (`get_num_layers_to_build`, `get_transformer_layer_offset`):
   takes its slot), with `account_for_loss` the last one does;
 - uneven split: `first_stage_layers` / `last_stage_layers` (Megatron's
   decoder_first/last_pipeline_num_layers) fix the first / last rank, the rest is spread
-  evenly over the middle ranks.
+  evenly over the middle ranks;
+- custom: `stage_layers` gives each virtual stage's count in model order (Megatron's
+  --pipeline-model-parallel-layout, parsed by `custom_layout.PipelineLayout`); a stage
+  may hold none.
 Every impossible split raises `PipelineConfigError` naming the field, the rule and a fix.
 
 `placement="v"` (ZBV, two chunks per rank): chunk 0 of rank r is stage r and chunk 1 is
@@ -33,6 +36,7 @@ class StageLayout:
     account_for_embedding: bool = False
     account_for_loss: bool = False
     placement: str = "loop"  # "loop": Megatron's round robin; "v": ZBV's V (vpp 2)
+    stage_layers: tuple[int, ...] | None = None  # custom: layers per virtual stage
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp"):
@@ -58,7 +62,9 @@ class StageLayout:
                 "account_for_loss: the rule (Megatron-LM): an uneven split already says where "
                 "layers go; fix: use one of the two ways"
             )
-        if uneven:
+        if self.stage_layers is not None:
+            self._check_custom(uneven)
+        elif uneven:
             self._check_uneven()
         else:
             self._check_even()
@@ -85,6 +91,34 @@ class StageLayout:
                 f"rank are not divisible by vpp={self.vpp}; the rule: each of the vpp chunks of "
                 f"a rank gets the same number of layers; fix: use a multiple of "
                 f"{self.pp * self.chunks} layers or another vpp"
+            )
+
+    def _check_custom(self, uneven: bool) -> None:
+        layers = self.stage_layers
+        assert layers is not None
+        if (
+            uneven
+            or self.account_for_embedding
+            or self.account_for_loss
+            or self.placement != "loop"
+        ):
+            raise PipelineConfigError(
+                "stage_layers with first_stage_layers/last_stage_layers, account_for_embedding/"
+                "account_for_loss or placement='v': the rule (Megatron-LM): a custom layout "
+                "already says where every layer goes, in round-robin stage order; fix: use "
+                "one of the ways"
+            )
+        if len(layers) != self.pp * self.chunks:
+            raise PipelineConfigError(
+                f"stage_layers has {len(layers)} stages for pp={self.pp} x vpp={self.vpp}; the "
+                f"rule: one count per virtual stage; fix: give {self.pp * self.chunks} counts"
+            )
+        for n in layers:
+            _check_int("stage_layers[i]", n, minimum=0)
+        if sum(layers) != self.num_layers:
+            raise PipelineConfigError(
+                f"stage_layers={list(layers)} hold {sum(layers)} layers, num_layers="
+                f"{self.num_layers}; fix: make them add up to num_layers"
             )
 
     def _check_uneven(self) -> None:
@@ -149,6 +183,8 @@ class StageLayout:
     def num_layers_to_build(self, pp_rank: int, chunk: int = 0) -> int:
         """Transformer layers of chunk `chunk` on pipeline rank `pp_rank`."""
         stage = self.stage(pp_rank, chunk)
+        if self.stage_layers is not None:
+            return self.stage_layers[stage]
         n = self._rank_slots(pp_rank) // self.chunks
         if self.account_for_embedding and stage == 0:
             n -= 1

@@ -66,6 +66,9 @@ def saved_args_namespace(saved: dict[str, Any]) -> argparse.Namespace:
     args.virtual_pipeline_model_parallel_size = None
     args.expert_tensor_parallel_size = None
     args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    args.pipeline_model_parallel_layout = args.num_virtual_stages_per_pipeline_rank = None
+    args.account_for_embedding_in_pipeline_split = False
+    args.account_for_loss_in_pipeline_split = False
     args.sequence_parallel = False
     return args
 

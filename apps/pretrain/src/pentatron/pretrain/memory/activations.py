@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from pentatron.models.attention_variants import MIN_WINDOW_BLOCKS, SINK_PAD
 from pentatron.models.sdpa import takes_grouped_kv
+from pentatron.pipeline import rank_schedule
 
 from .plan import MemoryPlan
 from .static import chunk_layers, chunk_parameters, is_first_chunk, is_last_chunk
@@ -413,8 +414,10 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     layers = list(chunk_layers(plan, pp_rank, vp))
     out = ActivationTerms()
     mtp = bool(c.mtp_num_layers) and last  # the MTP stage gets the position ids too
-    if c.position_embedding_type in ("rope", "yarn") and (
-        e == 4 or c.recompute_granularity == "full" or _up_proj_recomputed(c)
+    if (
+        c.position_embedding_type in ("rope", "yarn")
+        and (layers or mtp)  # (a chunk without layers computes no tables)
+        and (e == 4 or c.recompute_granularity == "full" or _up_proj_recomputed(c))
     ):  # the fp32 tables themselves are kept (an mla_up_proj checkpoint's inputs)
         out.rope = 2 * 4 * s * _pos_batch(plan, first or mtp) * c.rotary_dim
     if first:
@@ -530,4 +533,18 @@ def stage_activations(plan: MemoryPlan, pp_rank: int) -> StageActivations:
     if zero_bubble.is_zero_bubble(plan) and terms.total:
         # the schedule's own order: the peak of forwards whose B has not run
         return StageActivations(terms, zero_bubble.peaks(plan, pp_rank)[0] / terms.total)
+    if plan.vpp > 1 and terms.total:
+        return StageActivations(terms, interleaved_peak(plan, pp_rank) / terms.total)
     return StageActivations(terms, microbatches_in_flight(plan, pp_rank))
+
+
+def interleaved_peak(plan: MemoryPlan, pp_rank: int) -> int:
+    """Saved bytes at their peak along the rank's interleaved schedule: the chunks of a
+    custom or accounted split differ in size, so which chunk-forwards are in flight matters
+    (with equal chunks this is microbatches_in_flight's count times a chunk)."""
+    act = [chunk_activations(plan, pp_rank, vp).total for vp in range(plan.vpp)]
+    live = peak = 0
+    for op in rank_schedule(plan.pp, pp_rank, plan.num_microbatches, plan.vpp):
+        live += act[op.chunk] if op.kind == "F" else -act[op.chunk]
+        peak = max(peak, live)
+    return peak

@@ -34,6 +34,11 @@ def deallocate_output_tensor(out: torch.Tensor | None, enabled: bool) -> None:
     """
     if out is None or not enabled:
         return
+    if out.grad_fn is None:
+        # A stage without layers (a custom layout's empty stage) returned its input: there
+        # is no graph to keep, and its backward accumulates into this very tensor, which
+        # must keep its shape. Its storage is the received input's, held until then anyway.
+        return
     if out._base is not None:
         raise ValueError(
             "deallocate_pipeline_outputs=True but a stage returned a view of another tensor: "
