@@ -195,7 +195,8 @@ DSV3 = "Et*3|(tt|)*29,m|L"  # Megatron-LM's documented DeepSeek-V3 layout (PP16 
                 DSV3,
             ],
             16,
-            "standalone MTP.*fix: move the m's into the last stage",
+            "a standalone MTP stage .its m's in a stage before L's. with tied embeddings.*fix: "
+            "add --untie-embeddings-and-output-weights",
         ),
         (
             [
@@ -258,3 +259,25 @@ def test_megatron_docs_layout_runs_with_the_mtp_layer_beside_the_loss():
     # holds only the MTP layer and the loss
     assert built[0] == [[0, 1, 2], [33, 34]] and built[15] == [[31, 32], []]
     assert sum(len(c) for chunks in built.values() for c in chunks) == 61
+
+
+def test_megatron_docs_layout_runs_with_a_standalone_mtp_stage():
+    """Megatron's documented DeepSeek-V3 layout, as its recipe runs it (untied embeddings):
+    the MTP layer on pipeline rank 14's second stage, which joins the embedding group and
+    sends (1 + D) s rows to the loss's stage (variable-length messages)."""
+    args = _validated(
+        [
+            *("--num-layers", "61", "--mtp-num-layers", "1"),
+            *("--untie-embeddings-and-output-weights", "--pipeline-model-parallel-layout", DSV3),
+            *_pp(16),
+        ],
+        16,
+    )
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert configs.standalone_mtp_rank(args) == 14
+    assert configs.parallel_config(args).embedding_pp_ranks == (0, 14)
+    assert configs.pipeline_config(args).variable_seq_lengths
+    model = configs.transformer_config(args)
+    assert model.mtp_standalone
+    assert [r for r in range(16) for c in (0, 1) if model.mtp_on(r, c, False)] == [14]
+    assert model.final_norm_on(14, 1, False) and not model.final_norm_on(15, 1, True)

@@ -58,19 +58,36 @@ CASES = {  # name: (reference flags, layout flags, world)
         ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et||ttt|mmL"],
         4,
     ),
+    # Megatron's standalone MTP stage, as in its DeepSeek-V3 layout 'Et*3|(tt|)*29,m|L':
+    # the MTP layers on pipeline rank 2's second stage with the final norm and an embedding
+    # copy, the loss alone on rank 3's; untied embeddings, SP at tp2
+    "deepseek-untied-tp2-pp4-standalone-mtp": (
+        [*DEEPSEEK, "--untie-embeddings-and-output-weights"],
+        [
+            *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+            *("--pipeline-model-parallel-size", "4"),
+            *("--pipeline-model-parallel-layout", "Et|t|t|t|||mm|L"),
+        ],
+        8,
+    ),
+}
+
+
+REFERENCES = {
+    "deepseek": DEEPSEEK,
+    "deepseek-untied": [*DEEPSEEK, "--untie-embeddings-and-output-weights"],
+    "dense": DENSE,
+    "per-token": PER_TOKEN,
 }
 
 
 @pytest.fixture(scope="module")
 def references(distributed):
-    return {
-        key: distributed.run(1, train_record, flags)[0]
-        for key, flags in (("deepseek", DEEPSEEK), ("dense", DENSE), ("per-token", PER_TOKEN))
-    }
+    return {key: distributed.run(1, train_record, flags)[0] for key, flags in REFERENCES.items()}
 
 
 def _reference(references, case):
-    return references[case.split("-")[0] if not case.startswith("per-token") else "per-token"]
+    return references[next(k for k, flags in REFERENCES.items() if CASES[case][0] == flags)]
 
 
 def _assert_mtp_losses_match(per_rank, reference, rtol):
@@ -105,16 +122,21 @@ def test_local_mtp_token_counts_under_cp_are_caught(distributed, references):
         _assert_mtp_losses_match(per_rank, first_steps(references["dense"], 2), 1e-6)
 
 
-def test_mtp_checkpoint_resumes_at_another_layout(distributed, references, tmp_path):
+@pytest.mark.parametrize(
+    "case", ["deepseek-tp2-pp2-dp2-sp-distopt", "deepseek-untied-tp2-pp4-standalone-mtp"]
+)
+def test_mtp_checkpoint_resumes_at_another_layout(distributed, references, tmp_path, case):
+    """Saved at the case's layout (the standalone MTP stage's embedding copy and MTP
+    layers on a middle rank), resumed at tp1-pp1-dp4: the reference's steps 5 and 6."""
     ckpt = str(tmp_path / "ckpt")
-    _, layout, world = CASES["deepseek-tp2-pp2-dp2-sp-distopt"]
-    save = [*DEEPSEEK, *layout, "--save", ckpt, "--save-interval", "4", "--exit-interval", "4"]
+    ref_flags, layout, world = CASES[case]
+    save = [*ref_flags, *layout, "--save", ckpt, "--save-interval", "4", "--exit-interval", "4"]
     distributed.run(world, train, save)
-    resume = [*DEEPSEEK, "--use-distributed-optimizer", "--load", ckpt]
+    resume = [*ref_flags, "--use-distributed-optimizer", "--load", ckpt]
     for losses in last_stage(distributed.run(4, train, resume), count=4):
         torch.testing.assert_close(
             torch.tensor(losses),
-            torch.tensor(references["deepseek"]["losses"][4:6]),
+            torch.tensor(_reference(references, case)["losses"][4:6]),
             rtol=1e-5,
             atol=0.0,
         )

@@ -39,6 +39,7 @@ from pentatron.models import (
     set_aux_loss_scale,
     sync_grads,
 )
+from pentatron.models.hf import chunk_param_names
 from pentatron.parallel_state import (
     ParallelConfig,
     destroy_model_parallel,
@@ -177,20 +178,41 @@ class _AttachWithGradOne(torch.autograd.Function):
 
 # ---- parallel parity ---------------------------------------------------------------------------
 
-LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, positions)
+LAYOUTS = [  # (tp, pp, vpp, sequence_parallel, tied, positions[, pipeline layout])
     (2, 1, None, True, True, "rope"),
     (1, 2, None, False, True, "rope"),
     (1, 2, None, False, False, "learned_absolute"),
     (2, 2, 2, True, True, "rope"),
+    # Megatron's standalone MTP stage (custom layouts): the MTP layers, the final norm and
+    # an embedding copy on pipeline rank 2, the loss on rank 3; h_0 and both depths'
+    # outputs travel in one message
+    (1, 4, None, False, False, "rope", "Et|t|ttmm|L"),
+    (1, 4, 2, False, False, "learned_absolute", "Et|t|t|t|||mm|L"),  # rank 2's chunk 1
 ]
 
 
 def _layout_config(base, layout):
-    tp, pp, vpp, sp, tied, positions = layout
+    tp, pp, vpp, sp, tied, positions = layout[:6]
+    custom = layout[6] if len(layout) > 6 else None
     return dataclasses.replace(
-        with_layout(base, tp, pp, vpp, sp),
+        with_layout(base, tp, pp, None if custom else vpp, sp),
         untie_embeddings_and_output_weights=not tied,
         position_embedding_type=positions,
+        pipeline_model_parallel_layout=custom,
+    )
+
+
+def _parallel_config(config) -> ParallelConfig:
+    """The grid of `config`; a standalone MTP stage's rank joins the embedding group."""
+    embedding = None
+    if config.mtp_standalone:
+        stage = config.custom_layout().mtp_stage()
+        embedding = (0, config.stage_layout().position(stage)[0])
+    return ParallelConfig(
+        tp=config.tensor_model_parallel_size,
+        pp=config.pipeline_model_parallel_size,
+        vpp=config.virtual_pipeline_model_parallel_size,
+        embedding_pp_ranks=embedding,
     )
 
 
@@ -229,6 +251,7 @@ def _case(grid, config, state, data, plant=None):
         sequence_parallel=config.sequence_parallel,
         finalize_model_grads_func=lambda model_chunks, tokens: sync_grads(model_chunks),
         aux_loss_scale_func=set_aux_loss_scale,
+        variable_seq_lengths=config.mtp_standalone,  # the MTP stage sends (1 + D) s rows
     )
     func = get_forward_backward_func(config.pipeline_model_parallel_size, vpp)
     reduced = func(
@@ -246,17 +269,38 @@ def _case(grid, config, state, data, plant=None):
         for c in chunks
         for n, p in c.named_parameters()
     ]
-    return {"tp_rank": grid.rank("tp"), "reduced": reduced, "grads": grads}
+    names = None
+    if config.position_embedding_type == "rope":  # (the converter's names have no positions)
+        names = [
+            (
+                sorted(n for n, _ in c.named_parameters()),
+                sorted(
+                    chunk_param_names(
+                        config,
+                        pre_process=c.pre_process,
+                        post_process=c.post_process,
+                        layer_offset=c.layer_offset,
+                        num_layers=len(c.decoder.layers),
+                        mtp=config.mtp_on(grid.rank("pp"), c.vp_stage, c.post_process),
+                        final_norm=config.final_norm_on(
+                            grid.rank("pp"), c.vp_stage, c.post_process
+                        ),
+                    )
+                ),
+            )
+            for c in chunks
+        ]
+    return {"tp_rank": grid.rank("tp"), "reduced": reduced, "grads": grads, "names": names}
 
 
 def _all_layouts(base, layouts, states, data, plant=None):
     out = []
     for layout in layouts:
-        tp, pp, vpp = layout[:3]
-        grid = initialize_model_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
+        config = _layout_config(base, layout)
+        grid = initialize_model_parallel(_parallel_config(config))
         model_parallel_seed(1234 + 100 * grid.rank("pp"), grid)
         try:
-            out.append(_case(grid, _layout_config(base, layout), states[layout], data, plant))
+            out.append(_case(grid, config, states[layout], data, plant))
         finally:
             destroy_model_parallel(grid)
     return out
@@ -310,7 +354,7 @@ def _check(config, results, ref):
 def mtp_parity(distributed):
     base, data = _config(), _data(4)
     refs = {
-        lay: _reference(_layout_config(base, (1, 1, None, False, *lay[4:])), data)
+        lay: _reference(_layout_config(base, (1, 1, None, False, *lay[4:6])), data)
         for lay in LAYOUTS
     }
     states = {lay: ref[0] for lay, ref in refs.items()}
@@ -319,11 +363,18 @@ def mtp_parity(distributed):
 
 
 @pytest.mark.parametrize(
-    "layout", LAYOUTS, ids=lambda lay: "tp{}-pp{}-vpp{}-sp{}-tied{}-{}".format(*lay)
+    "layout",
+    LAYOUTS,
+    ids=lambda lay: (
+        "tp{}-pp{}-vpp{}-sp{}-tied{}-{}".format(*lay) + "".join(f"-{x}" for x in lay[6:])
+    ),
 )
 def test_losses_depths_and_grads_match_single_process(mtp_parity, layout):
     base, refs, results = mtp_parity
     _check(_layout_config(base, layout), results[layout], refs[layout])
+    for r in results[layout]:  # the converter names each chunk's params as the model does
+        for built, named in r["names"] or ():
+            assert built == named
 
 
 def test_an_untied_embedding_copy_is_caught(distributed):

@@ -2,10 +2,17 @@
 
 from math import prod
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pentatron.parallel_state import FAMILIES, GridLayout, ParallelConfig, RankGenerator
+from pentatron.parallel_state import (
+    FAMILIES,
+    GridLayout,
+    ParallelConfig,
+    ParallelConfigError,
+    RankGenerator,
+)
 from pentatron.parallel_state.layout import DENSE_FAMILIES, EXPERT_FAMILIES
 
 
@@ -101,3 +108,20 @@ def test_order_changes_groups():
     g = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-pp-dp")
     assert g.get_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_embedding_groups_take_the_named_pipeline_ranks():
+    """A standalone MTP stage's embedding copy: the group holds pipeline ranks 0 and 2 of
+    each pipeline group (tp2 x dp2 x pp4 = 16 ranks, pipeline groups strided by 4)."""
+    lay = ParallelConfig(tp=2, pp=4, embedding_pp_ranks=(0, 2)).resolve(16)
+    grid = GridLayout(lay)
+    assert grid.families["pp"][0] == [0, 4, 8, 12]
+    assert grid.families["embedding"][0] == [0, 8]
+    assert all(len(g) == 2 for g in grid.families["embedding"])
+    assert grid.ranks("embedding", 12) is None  # the last stage holds no copy here
+
+
+@pytest.mark.parametrize("ranks", [(1, 2), (0, 4), (2, 0), (0, 0, 1), [0, 1]])
+def test_bad_embedding_pp_ranks_are_refused(ranks):
+    with pytest.raises(ParallelConfigError, match=r"embedding_pp_ranks=.*starting with 0"):
+        ParallelConfig(pp=4, embedding_pp_ranks=ranks)

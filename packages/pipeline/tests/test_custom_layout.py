@@ -26,13 +26,13 @@ def test_megatron_docs_deepseek_v3_example():
         "pp 14: t*2 | m",
         "pp 15: t*2 | L",
     ]
-    # Without MTP layers the count rule fires first; with one, the standalone MTP stage is
-    # refused (this release runs MTP with the loss)
+    layout.check(num_layers=61, mtp_num_layers=1)
+    assert layout.mtp_stage() == 30 and layout.mtp_standalone  # rank 14's second stage
     with pytest.raises(PipelineConfigError, match="1 MTP layers"):
         layout.check(num_layers=61, mtp_num_layers=None)
-    with pytest.raises(PipelineConfigError, match="standalone MTP"):
-        layout.check(num_layers=61, mtp_num_layers=1)
-    PipelineLayout.parse("Et*3|(tt|)*29,|mL", pp=16).check(61, 1)
+    beside = PipelineLayout.parse("Et*3|(tt|)*29,|mL", pp=16)
+    beside.check(61, 1)
+    assert beside.mtp_stage() == 31 and not beside.mtp_standalone
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,10 @@ def test_malformed_strings_are_refused(text, pp, match):
         ("Et|tL", 3, None, "2 transformer layers .t. for num_layers=3"),
         ("Et|tmL", 2, None, "1 MTP layers .m. for mtp_num_layers=None"),
         ("Et|tL", 2, 1, "0 MTP layers .m. for mtp_num_layers=1"),
-        ("Etm|tL", 2, 1, "standalone MTP"),
+        ("Etm|tL", 2, 1, "comes after the last transformer layer"),
+        ("Et|t|m|||L", 2, 1, "the last virtual stage of its pipeline rank"),
+        ("Et|tm|m|L", 2, 2, "every MTP layer sits in one stage"),
+        ("Et|t|m|L", 2, 1, "standalone, before the loss's. on pipeline rank 0"),
     ],
 )
 def test_layouts_that_do_not_fit_the_model_are_refused(text, layers, mtp, match):

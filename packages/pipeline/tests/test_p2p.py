@@ -178,3 +178,42 @@ def test_every_p2p_combination_delivers_what_the_neighbour_sent(distributed, wor
         )
         assert got["var/ledger"] == sorted(shapes + data), got["var/ledger"]
         assert "[s, b, h]" in got["var/bad_rank"]
+
+
+def _unpaired_variable_calls() -> dict:
+    """Variable lengths, calls that do not pair one to one (as an interleaved schedule's
+    ranks leave warm-up at different steps): rank 0 sends forward, then in a second call
+    takes its grad; rank 1 in one call sends forward and backward and receives both ways;
+    rank 2 sends backward and receives forward. Rank 1's grad shape reaches rank 0 only in
+    rank 0's second call, after the data of its first has moved."""
+    from datetime import timedelta
+
+    grid = initialize_model_parallel(ParallelConfig(pp=3, timeout=timedelta(seconds=20)))
+    config = PipelineConfig(hidden_size=H, variable_seq_lengths=True, batch_p2p_comm=False)
+    p2p = P2PCommunicator.from_grid(grid, config)
+    r = p2p.pp_rank
+    out: dict = {}
+    if r == 0:
+        p2p.communicate(send_next=_value(0, 1, torch.float32, 5))
+        out["grad"] = p2p.communicate(recv_next=True)[1]
+    elif r == 1:
+        got_prev, got_next, _ = p2p.communicate(
+            send_next=_value(1, 2, torch.float32, 6),
+            send_prev=_value(1, 3, torch.float32, 7),
+            recv_prev=True,
+            recv_next=True,
+        )
+        out["fwd"], out["grad"] = got_prev, got_next
+    else:
+        out["fwd"] = p2p.communicate(send_prev=_value(2, 4, torch.float32, 8), recv_prev=True)[0]
+    return {k: v.detach() for k, v in out.items()}
+
+
+def test_variable_lengths_do_not_deadlock_when_calls_do_not_pair(distributed):
+    """Planted (pentatron-pipeline 0.1.8's shape exchange, which waited for its own shape
+    sends before the data moved): ranks 0 and 1 wait on each other until the timeout."""
+    r0, r1, r2 = distributed.run(3, _unpaired_variable_calls)
+    assert torch.equal(r0["grad"], _value(1, 3, torch.float32, 7))
+    assert torch.equal(r1["fwd"], _value(0, 1, torch.float32, 5))
+    assert torch.equal(r1["grad"], _value(2, 4, torch.float32, 8))
+    assert torch.equal(r2["fwd"], _value(1, 2, torch.float32, 6))

@@ -183,6 +183,15 @@ def _custom_layout(args: argparse.Namespace) -> int:
         for field, flag in _FLAG_WORDS:
             message = message.replace(field, flag)
         raise ArgumentError(message) from None
+    if layout.mtp_standalone and not args.untie_embeddings_and_output_weights:
+        _fail(
+            "pipeline-model-parallel-layout",
+            text,
+            "a standalone MTP stage (its m's in a stage before L's) with tied embeddings would "
+            "hold a third copy of the embedding",
+            "add --untie-embeddings-and-output-weights (as DeepSeek-V3), or move the m's into "
+            "the last stage",
+        )
     if pp == 1 and layout.vpp > 1:
         _fail(
             "pipeline-model-parallel-layout",

@@ -28,15 +28,15 @@ def get_batch(
 ) -> dict[str, torch.Tensor] | None:
     """This chunk's micro-batch: tokens, labels, loss_mask, position_ids, each [b, s].
 
-    Only chunks that embed (first stage) or compute the loss (last stage) need data; others
-    get None and do not advance their iterator. Only tp rank 0 reads, straight into one
-    int64 [4, b, s] tensor on the grid's device; one broadcast over tp gives the other tp
-    ranks the same batch. With context parallelism each
-    tensor is then cut to this cp rank's load-balanced chunks, [b, s/cp] (position_ids
+    Only chunks that embed (first stage, an MTP stage) or compute the loss (last stage) need
+    data; others get None and do not advance their iterator. Only tp rank 0 reads, straight
+    into one int64 [4, b, s] tensor on the grid's device; one broadcast over tp gives the
+    other tp ranks the same batch. With context parallelism each tensor is then cut to this cp rank's load-balanced chunks, [b, s/cp] (position_ids
     keep their global values).
     """
     chunk = _unwrap(model)
-    if not (chunk.pre_process or chunk.post_process):
+    # (a standalone MTP stage embeds the shifted inputs: it reads the batch too)
+    if not (chunk.pre_process or chunk.post_process or getattr(chunk, "mtp_process", False)):
         return None
     tp = grid.size("tp")
     packed = torch.empty(

@@ -516,6 +516,15 @@ class TransformerConfig:
             layout.check(self.num_layers, self.mtp_num_layers)
         except PipelineConfigError as exc:
             raise ModelConfigError(str(exc)) from None
+        if layout.mtp_standalone and not self.untie_embeddings_and_output_weights:
+            _fail(
+                "pipeline_model_parallel_layout",
+                self.pipeline_model_parallel_layout,
+                "a standalone MTP stage (its m's before the loss's stage) with tied embeddings "
+                "would hold a third copy of the embedding",
+                "set untie_embeddings_and_output_weights=True (as DeepSeek-V3), or move the m's "
+                "into the last stage",
+            )
         detected = layout.vpp if layout.vpp > 1 else None
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp != detected:
@@ -535,6 +544,29 @@ class TransformerConfig:
             return None
         key = layout if isinstance(layout, str) else tuple(tuple(stage) for stage in layout)
         return _parse_layout(key, self.pipeline_model_parallel_size)
+
+    @property
+    def mtp_standalone(self) -> bool:
+        """The MTP layers sit in a stage of their own before the loss's (a custom layout)."""
+        layout = self.custom_layout()
+        return layout is not None and layout.mtp_standalone
+
+    def mtp_on(self, pp_rank: int, vp_stage: int | None, post_process: bool) -> bool:
+        """Whether chunk `vp_stage` of pipeline rank `pp_rank` holds the MTP layers (and an
+        embedding copy): the last stage (`post_process`), or a custom layout's MTP stage."""
+        if not self.mtp_num_layers:
+            return False
+        layout = self.custom_layout()
+        if layout is not None and layout.mtp_standalone:
+            return self.stage_layout().stage(pp_rank, vp_stage or 0) == layout.mtp_stage()
+        return post_process
+
+    def final_norm_on(self, pp_rank: int, vp_stage: int | None, post_process: bool) -> bool:
+        """Whether that chunk applies the decoder's final norm: the last stage, or a
+        standalone MTP stage (whose first depth reads the normed output, as on one stage)."""
+        if self.mtp_standalone:
+            return self.mtp_on(pp_rank, vp_stage, post_process)
+        return post_process
 
     def stage_layout(self) -> StageLayout:
         """Which layers each (pipeline rank, virtual stage) builds (see pentatron.pipeline)."""

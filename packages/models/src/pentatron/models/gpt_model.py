@@ -89,8 +89,9 @@ class GPTModel(torch.nn.Module):
         if post_process is None:
             post_process = par.is_last_stage(chunks, config.pipeline_placement)
         self.post_process = post_process
-        # MTP sits on the last stage (Megatron's rule without a custom pipeline layout)
-        self.mtp_process = bool(config.mtp_num_layers) and self.post_process
+        # MTP sits on the last stage, or on a custom layout's standalone MTP stage
+        self.mtp_process = config.mtp_on(par.pp_rank, vp_stage, self.post_process)
+        self.final_norm_here = config.final_norm_on(par.pp_rank, vp_stage, self.post_process)
         self.mtp_report: list[torch.Tensor] = []
         self.vp_stage = vp_stage
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
@@ -124,7 +125,7 @@ class GPTModel(torch.nn.Module):
             spec,
             pp_rank=par.pp_rank,
             vp_stage=self.vp_stage,
-            post_layer_norm=self.post_process,
+            post_layer_norm=self.final_norm_here,
             tp_group=par.tp_group,
             tp_size=par.tp_size,
             parallel=par,  # MoE layers take their ep/etp groups from the model's grid
@@ -222,9 +223,16 @@ class GPTModel(torch.nn.Module):
             weight.shared_embedding = weight.shared = True  # type: ignore[attr-defined]
             with torch.no_grad():
                 weight.fill_(0.0)
-        if self.pre_process != self.post_process:
+        if self.pre_process != self.post_process or copies:
             group = self.parallel.embedding_group()
             tied = [p for p in self.parameters() if getattr(p, "shared_embedding", False)]
+            if group is None and copies and self.parallel.pp_size > 1:
+                raise ModelConfigError(
+                    f"pipeline rank {self.parallel.pp_rank} holds the standalone MTP stage's "
+                    "embedding copy but is not in the grid's embedding group: the rule: the "
+                    "copy is kept equal to the first stage's over that group; fix: "
+                    f"ParallelConfig(embedding_pp_ranks=(0, {self.parallel.pp_rank}))"
+                )
             if group is not None:
                 for weight in tied:  # the first stage's values reach the zeroed copies
                     comm.all_reduce(weight.data, group=group)
@@ -288,16 +296,24 @@ class GPTModel(torch.nn.Module):
             s = self._seq_len(input_ids, position_ids)
             rotary = self.rotary_pos_emb(position_ids, s, device=self._device())
         hidden = self.decoder(hidden, attention_mask, rotary)
+        standalone = self.config.mtp_standalone
         if not self.post_process:
+            if self.mtp_process and self.training:  # a standalone MTP stage
+                outputs = self._mtp_outputs(hidden, input_ids, position_ids, attention_mask, rotary)
+                # h_0 and every depth's output to the loss's stage: [(1 + D) s(/t), b, h]
+                return torch.cat([hidden, *outputs], dim=0)
             return hidden
         weight = None
         if self.share_embeddings_and_output_weights and self.has_embedding:
             weight = self.embedding.word_embeddings.weight
         self.mtp_report = []
-        if self.mtp_process and labels is not None and self.training:
-            hidden = self._with_mtp_loss(
-                hidden, input_ids, position_ids, attention_mask, rotary, labels, loss_mask, weight
-            )
+        if standalone and self.training:
+            hidden, *outputs = self._split_standalone(hidden)
+            if labels is not None:
+                hidden = self._attach_mtp_loss(hidden, outputs, labels, loss_mask, weight)
+        elif self.mtp_process and labels is not None and self.training:
+            outputs = self._mtp_outputs(hidden, input_ids, position_ids, attention_mask, rotary)
+            hidden = self._attach_mtp_loss(hidden, outputs, labels, loss_mask, weight)
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad / t]
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()
@@ -312,20 +328,34 @@ class GPTModel(torch.nn.Module):
         )
         return loss.transpose(0, 1).contiguous()
 
-    def _with_mtp_loss(
-        self, hidden, input_ids, position_ids, mask, rotary, labels, loss_mask, weight
-    ) -> torch.Tensor:
-        """h_0 `[s(/t), b, h]` with the MTP loss of every depth attached (mtp.py)."""
+    def _mtp_outputs(self, hidden, input_ids, position_ids, mask, rotary) -> list:
+        """Every depth's output `[s(/t), b, h]` from h_0 (mtp.py)."""
         if input_ids is None:
             raise ValueError(
-                "GPTModel.forward with mtp_num_layers on the last pipeline stage got no "
-                "input_ids: the rule: MTP embeds the shifted inputs there; fix: pass the "
-                "micro-batch's tokens (and position ids) to the last stage too"
+                "GPTModel.forward with mtp_num_layers on the MTP stage (the last pipeline "
+                "stage, or a custom layout's MTP stage) got no input_ids: the rule: MTP embeds "
+                "the shifted inputs there; fix: pass the micro-batch's tokens (and position "
+                "ids) to that stage too"
             )
         if position_ids is None:
             s = input_ids.size(-1)
             position_ids = torch.arange(s, device=input_ids.device)[None].expand_as(input_ids)
-        outputs = self.mtp(input_ids, position_ids, hidden, mask, rotary, self.embedding)
+        return self.mtp(input_ids, position_ids, hidden, mask, rotary, self.embedding)
+
+    def _split_standalone(self, received: torch.Tensor) -> list[torch.Tensor]:
+        """The loss's stage after a standalone MTP stage: h_0 and each depth's output."""
+        depths = 1 + (self.config.mtp_num_layers or 0)
+        if received.size(0) % depths:
+            raise ValueError(
+                f"GPTModel on the loss's stage after a standalone MTP stage got {received.size(0)} "
+                f"rows, not a multiple of 1 + mtp_num_layers = {depths}: the rule: that stage "
+                "sends h_0 and every depth's output; fix: PipelineConfig(variable_seq_lengths="
+                "True), so messages may change length"
+            )
+        return list(received.chunk(depths, dim=0))
+
+    def _attach_mtp_loss(self, hidden, outputs, labels, loss_mask, weight) -> torch.Tensor:
+        """h_0 `[s(/t), b, h]` with the MTP loss of every depth attached (mtp.py)."""
 
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             logits, _ = self.output_layer(h, weight=weight)

@@ -62,6 +62,9 @@ class ParallelConfig:
     # hierarchical_context_parallel_sizes: each cp group split into levels, the first the
     # fastest-varying (consecutive cp ranks), e.g. (2, 4) = cp pairs inside, then groups of 4
     hierarchical_cp: tuple[int, ...] | None = None
+    # the pipeline ranks of each embedding group (Megatron's get_embedding_ranks); None: the
+    # first and the last. A standalone MTP stage holds an embedding copy on its own rank.
+    embedding_pp_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
@@ -83,6 +86,7 @@ class ParallelConfig:
                     f"dimension larger than 1 must be placed in the order; fix: add {name!r}"
                 )
         self._check_hierarchical_cp()
+        self._check_embedding_pp_ranks()
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ParallelConfigError(
                 f"timeout={self.timeout!r}: must be a positive datetime.timedelta; "
@@ -105,6 +109,24 @@ class ParallelConfig:
                 f"hierarchical_cp={sizes} with cp={self.cp}: the rule: the levels' sizes "
                 f"multiply to cp (here {prod(sizes)}); fix: sizes whose product is {self.cp}, "
                 "or hierarchical_cp=None"
+            )
+
+    def _check_embedding_pp_ranks(self) -> None:
+        ranks = self.embedding_pp_ranks
+        if ranks is None:
+            return
+        ok = (
+            isinstance(ranks, tuple)
+            and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
+            and list(ranks) == sorted(set(ranks))
+            and ranks[:1] == (0,)
+            and all(0 <= r < self.pp for r in ranks)
+        )
+        if not ok:
+            raise ParallelConfigError(
+                f"embedding_pp_ranks={ranks!r} with pp={self.pp}: the rule: a sorted tuple of "
+                "distinct pipeline ranks in [0, pp) starting with 0 (the embedding's stage); "
+                f"fix: e.g. (0, {self.pp - 1}), or None for the first and the last"
             )
 
     @property
@@ -145,6 +167,7 @@ class ParallelConfig:
             vpp=self.vpp,
             order=self.order,
             hierarchical_cp=self.hierarchical_cp,
+            embedding_pp_ranks=self.embedding_pp_ranks,
         )
 
 
@@ -162,6 +185,7 @@ class ResolvedLayout:
     vpp: int | None
     order: str
     hierarchical_cp: tuple[int, ...] | None = None
+    embedding_pp_ranks: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:

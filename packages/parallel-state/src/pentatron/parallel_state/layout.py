@@ -51,7 +51,8 @@ class GridLayout:
     """The rank lists of every group family of `layout`.
 
     Embedding groups hold the first and last rank of each pipeline group (one rank when
-    pp=1); position-embedding groups hold the first. They cover only those ranks.
+    pp=1), or the pipeline ranks `embedding_pp_ranks` names; position-embedding groups hold
+    the first. They cover only those ranks.
     """
 
     layout: ResolvedLayout
@@ -77,7 +78,8 @@ class GridLayout:
                 f"(etp*ep={self.layout.etp * self.layout.ep}); the rule: both grids must share "
                 "their pipeline groups; fix: put 'pp' last in the order or make etp*ep = tp*cp"
             )
-        out["embedding"] = [sorted({g[0], g[-1]}) for g in out["pp"]]
+        stages = self.layout.embedding_pp_ranks or (0, self.layout.pp - 1)
+        out["embedding"] = [sorted({g[i] for i in stages}) for g in out["pp"]]
         out["position-embedding"] = [[g[0]] for g in out["pp"]]
         return out
 

@@ -16,10 +16,11 @@ form takes one list per stage of letters or Megatron's layer-type names ("embedd
 
 Rules (Megatron's `validate_layer_layout`): the number of stages is a multiple of pp; E
 first and L last, once each; as many t's as the model has layers and as many m's as MTP
-layers, every m after the last t. This release runs MTP with the loss on the last stage,
-so the m's must sit in the last stage (Megatron's "standalone" MTP stage, m's in a stage of
-their own, is refused). Every broken rule raises `PipelineConfigError` naming the field,
-the rule and a fix.
+layers, every m after the last t, all m's in one stage, the last virtual stage of its
+pipeline rank. The m's may share the last stage with L, or sit in a stage of their own
+before it (Megatron's standalone MTP, `mtp_standalone`), but then not on pipeline rank 0,
+which holds the embedding already. Every broken rule raises `PipelineConfigError` naming
+the field, the rule and a fix.
 """
 
 from __future__ import annotations
@@ -138,13 +139,39 @@ class PipelineLayout:
                 f"{flat.count('m')} MTP layers (m) for mtp_num_layers={mtp_num_layers}",
                 f"write {mtp} m's" + (", before L in the last stage" if mtp else ""),
             )
-        if mtp and any("m" in stage for stage in self.stages[:-1]):
+        if mtp and "t" in flat[flat.index("m") :]:
             _fail(
                 text,
-                "MTP layers run with the loss on the last stage here; an MTP stage of its own "
-                "(Megatron's standalone MTP) is not built",
-                "move the m's into the last stage, before L (e.g. '...|tmL')",
+                "every MTP layer (m) comes after the last transformer layer (t)",
+                "move the m's after the t's",
             )
+        where = [i for i, stage in enumerate(self.stages) if "m" in stage]
+        if len(where) > 1:
+            _fail(text, "every MTP layer sits in one stage (Megatron-LM)", "put the m's together")
+        if where and where[0] // self.pp != self.vpp - 1:
+            _fail(
+                text,
+                "the MTP stage is the last virtual stage of its pipeline rank (Megatron-LM)",
+                "move the m's to a stage of the last round of '|'-separated stages",
+            )
+        if where and where[0] != len(self.stages) - 1 and where[0] % self.pp == 0:
+            _fail(
+                text,
+                "an MTP stage of its own (standalone, before the loss's) on pipeline rank 0 "
+                "would hold a second embedding there",
+                "move the m's to another rank's last stage, or into the last stage before L",
+            )
+
+    def mtp_stage(self) -> int | None:
+        """The virtual stage holding the MTP layers (None without)."""
+        where = [i for i, stage in enumerate(self.stages) if "m" in stage]
+        return where[0] if where else None
+
+    @property
+    def mtp_standalone(self) -> bool:
+        """The MTP layers sit in a stage before the loss's (Megatron's standalone MTP)."""
+        stage = self.mtp_stage()
+        return stage is not None and stage != len(self.stages) - 1
 
     def table(self) -> str:
         """Which layers each (pp rank, vpp rank) holds, equal ranks merged:

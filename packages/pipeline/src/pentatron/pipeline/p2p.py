@@ -105,8 +105,9 @@ class P2PCommunicator:
         """
         prev_shape: Shape | None
         next_shape: Shape | None
+        shape_sends: dict[str, Any] = {}
         if self.config.variable_seq_lengths:
-            prev_shape, next_shape = self._exchange_shapes(
+            prev_shape, next_shape, shape_sends = self._exchange_shapes(
                 send_next, send_prev, recv_prev, recv_next
             )
         else:
@@ -117,6 +118,8 @@ class P2PCommunicator:
         buf_next = self._buffer(next_shape) if recv_next else None
         with self._record("p2p"):
             handles = self._start(send_next, send_prev, buf_prev, buf_next)
+            for key, shape_send in shape_sends.items():  # a send's handle covers its shape
+                handles[key] = _Chained(shape_send, handles[key])
             if wait:
                 for h in handles.values():
                     h.wait()
@@ -187,8 +190,9 @@ class P2PCommunicator:
         send_prev: torch.Tensor | None,
         recv_prev: bool,
         recv_next: bool,
-    ) -> tuple[list[int], list[int]]:
-        """Variable sequence lengths: each data message is preceded by its int64 shape `[3]`."""
+    ) -> tuple[list[int], list[int], dict[str, Any]]:
+        """Variable sequence lengths: each data message is preceded by its int64 shape `[3]`.
+        Returns the received shapes and the handles of the shape sends, still in flight."""
 
         def shape_of(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
@@ -202,11 +206,16 @@ class P2PCommunicator:
         prev = torch.empty(3, dtype=torch.int64, device=self.device) if recv_prev else None
         nxt = torch.empty(3, dtype=torch.int64, device=self.device) if recv_next else None
         handles = self._start(shape_of(send_next), shape_of(send_prev), prev, nxt)
-        for h in handles.values():
-            h.wait()
+        # Wait for the shapes this rank receives only: a neighbour may take the shape this
+        # rank sends in its next call, after this call's data has moved (the stages' calls
+        # need not pair up one to one), so waiting for the sends here could deadlock.
+        for key in ("recv_prev", "recv_next"):
+            if key in handles:
+                handles.pop(key).wait()
         return (
             prev.tolist() if prev is not None else [0, 0, 0],
             nxt.tolist() if nxt is not None else [0, 0, 0],
+            handles,
         )
 
     def _record(self, kind: str) -> Any:
@@ -337,3 +346,14 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous():
         return t
     return t.detach().contiguous()
+
+
+class _Chained:
+    """One handle for a shape message and the data message after it (each waited once)."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = list(handles)
+
+    def wait(self) -> None:
+        while self.handles:
+            self.handles.pop(0).wait()

@@ -10,7 +10,7 @@ import torch
 from pentatron.models import RopeScaling, TransformerConfig
 from pentatron.optim import DDPConfig, OptimizerConfig, OptimizerParamScheduler
 from pentatron.parallel_state import ParallelConfig
-from pentatron.pipeline import PipelineConfig
+from pentatron.pipeline import PipelineConfig, PipelineLayout
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -27,7 +27,19 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         etp=args.expert_tensor_parallel_size,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
         hierarchical_cp=_hierarchical_cp(args),
+        embedding_pp_ranks=None if (r := standalone_mtp_rank(args)) is None else (0, r),
     )
+
+
+def standalone_mtp_rank(args: argparse.Namespace) -> int | None:
+    """The pipeline rank of a custom layout's standalone MTP stage (None without one): it
+    holds an embedding copy, so the embedding group joins it to the first stage."""
+    text = getattr(args, "pipeline_model_parallel_layout", None)
+    if text is None or not args.mtp_num_layers:
+        return None
+    layout = PipelineLayout.parse(text, args.pipeline_model_parallel_size)
+    stage = layout.mtp_stage()
+    return stage % layout.pp if layout.mtp_standalone and stage is not None else None
 
 
 def _hierarchical_cp(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -234,5 +246,7 @@ def pipeline_config(args: argparse.Namespace, **hooks) -> PipelineConfig:
         pipeline_dtype=params_dtype(args),
         sequence_parallel=args.sequence_parallel,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        # a standalone MTP stage sends h_0 and every depth's output: (1 + D) s rows
+        variable_seq_lengths=standalone_mtp_rank(args) is not None,
         **hooks,
     )

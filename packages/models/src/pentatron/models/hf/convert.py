@@ -204,6 +204,8 @@ def hf_shard_state_dict(
         post_process=post,
         layer_offset=offset,
         num_layers=get_num_layers_to_build(config, pp_rank, vp_stage),
+        mtp=config.mtp_on(pp_rank, vp_stage, post),
+        final_norm=config.final_norm_on(pp_rank, vp_stage, post),
     )
     out = {}
     for local in names:

@@ -431,19 +431,25 @@ def chunk_param_names(
     post_process: bool,
     layer_offset: int,
     num_layers: int,
+    mtp: bool | None = None,
+    final_norm: bool | None = None,
 ) -> list[str]:
     """Local state-dict names of one GPTModel chunk of a Llama / Mixtral / Qwen2-MoE config.
 
     (Checked against `GPTModel.state_dict()` in the tests; used where no model is built,
-    e.g. by the converter CLI.) `layer_offset` picks the chunk's MoE layers.
+    e.g. by the converter CLI.) `layer_offset` picks the chunk's MoE layers. `mtp` /
+    `final_norm`: the chunk holds the MTP layers / the decoder's final norm (None: the last
+    stage does, as without a standalone MTP stage; see `TransformerConfig.mtp_on`).
     """
     per_layer, dense, moe = _layer_suffixes(config)
-    mtp = bool(config.mtp_num_layers) and post_process
+    if mtp is None:
+        mtp = bool(config.mtp_num_layers) and post_process
+    final_norm = post_process if final_norm is None else final_norm
     names = ["embedding.word_embeddings.weight"] if pre_process or mtp else []
     for i in range(num_layers):
         mlp = moe if config.is_moe_layer(layer_offset + i + 1) else dense
         names += [f"decoder.layers.{i}.{s}" for s in per_layer + mlp]
-    if post_process:
+    if final_norm:
         names.append("decoder.final_layernorm.weight")
     if mtp:  # GPTModel's order: the decoder (with its final norm), MTP, the output layer
         mlp = moe if config.is_moe_layer(config.num_layers + 1) else dense

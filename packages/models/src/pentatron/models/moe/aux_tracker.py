@@ -62,7 +62,10 @@ def _routers(model_chunks: Any) -> list[_Router]:
 
 def _num_layers(model_chunks: Any, routers: list[_Router]) -> int:
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    for owner in [*routers, *chunks]:
+    # (a chunk may be wrapped, DDP's or FSDP2's wrapper holding it as .module: a stage
+    # without routers, e.g. a dense first layer and an empty stage, still knows the count)
+    inner = [getattr(c, "module", None) for c in chunks]
+    for owner in [*routers, *chunks, *(c for c in inner if c is not None)]:
         config = getattr(owner, "config", None)
         if config is not None and hasattr(config, "num_layers"):
             # MTP layers (Megatron's tracking) follow the decoder's: num_layers + depth

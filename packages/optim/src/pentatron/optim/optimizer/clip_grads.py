@@ -88,6 +88,25 @@ def global_grad_norm(sets: Iterable[GradSet], norm_type: float = 2.0) -> float:
     return float(global_grad_norm_tensor(sets, norm_type))
 
 
+def agree_has_experts(local: bool, grid: Any = None) -> bool:
+    """Whether any rank holds expert params, agreed over the grid's host group once.
+
+    A pipeline rank whose stages hold only dense layers (DeepSeek's first dense layers, an
+    empty stage) has none, yet the expert norm's all-reduces span the pipeline: every rank
+    must issue them alike. `grid` None: the default grid, if any; one process: `local`."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return local
+    if grid is None:
+        from pentatron.parallel_state import get_default_grid, model_parallel_is_initialized
+
+        if not model_parallel_is_initialized():
+            return local
+        grid = get_default_grid()
+    flag = torch.tensor([int(local)], dtype=torch.int32)  # host-side: the host group's
+    comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=grid.host_group)
+    return bool(flag.item())
+
+
 def clip_grads_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale grads by max_norm / (total_norm + 1e-6) when that is below 1 (Megatron's rule)."""
     coeff = max_norm / (total_norm + 1.0e-6)

@@ -22,7 +22,14 @@ from pentatron.parallel_state import ProcessGrid, get_default_grid
 from ..distributed.ddp import is_expert_param
 from ..distributed.fsdp import FSDP2DataParallel, local_tensor
 from ..errors import config_error
-from .clip_grads import GradSet, clip_grads_by_norm, count_zeros, counts_for_norm, global_grad_norm
+from .clip_grads import (
+    GradSet,
+    agree_has_experts,
+    clip_grads_by_norm,
+    count_zeros,
+    counts_for_norm,
+    global_grad_norm,
+)
 from .config import OptimizerConfig
 from .mixed_precision import GradStatsGroups, StepResult, make_inner_optimizer
 
@@ -67,7 +74,8 @@ class FSDP2Optimizer:
         ]
         self.optimizer = make_inner_optimizer(config, inner_groups)
         self.num_skipped_steps = 0
-        self._has_experts = any(is_expert_param(p) for p in self.params)
+        # agreed by every rank: a pipeline rank of dense layers holds no expert params
+        self._has_experts = agree_has_experts(any(is_expert_param(p) for p in self.params), grid)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -88,7 +96,7 @@ class FSDP2Optimizer:
             ]
 
         sets = [GradSet(local_grads(False, self.stats.tp_rank), self.stats.dense)]
-        if self._has_experts:  # the same on every rank: all build the same model
+        if self._has_experts:
             sets.append(GradSet(local_grads(True, self.stats.expert_tp_rank), self.stats.expert))
         return sets
 

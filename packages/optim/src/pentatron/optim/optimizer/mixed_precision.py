@@ -21,6 +21,7 @@ from pentatron.parallel_state import ProcessGrid, get_default_grid
 from ..distributed.ddp import DistributedDataParallel, is_expert_param
 from .clip_grads import (
     GradSet,
+    agree_has_experts,
     clip_grads_by_norm,
     count_zeros,
     counts_for_norm,
@@ -146,6 +147,11 @@ class MixedPrecisionOptimizer:
             stats_groups = GradStatsGroups.from_grid(grid or get_default_grid(), self.is_sharded)
         self.stats = stats_groups
         self.main_params = self._build_main_params()
+        self._has_experts = agree_has_experts(
+            any(mp.expert for mp in self.main_params)
+            or any(chunk.expert_buffers for chunk in self.model_chunks),
+            grid,
+        )
         by_param: dict[torch.nn.Parameter, list[MainParam]] = {}
         for mp in self.main_params:
             by_param.setdefault(mp.model_param, []).append(mp)
@@ -211,14 +217,9 @@ class MixedPrecisionOptimizer:
             if mp.expert and counts_for_norm(mp.model_param, self.stats.expert_tp_rank)
         ]
         sets = [GradSet(dense, self.stats.dense)]
-        if any(mp.expert for mp in self.main_params) or self._any_expert_anywhere():
+        if self._has_experts:  # agreed by every rank at construction
             sets.append(GradSet(expert, self.stats.expert))
         return sets
-
-    def _any_expert_anywhere(self) -> bool:
-        # Every rank must issue the same collectives: expert norms are reduced iff the model
-        # has expert params, which all ranks of a grid agree on.
-        return any(chunk.expert_buffers for chunk in self.model_chunks)
 
     def _copy_grads_to_main(self) -> None:
         for mp in self.main_params:
