@@ -5,29 +5,16 @@ combination Megatron-LM refuses fails before any process group, naming the flag.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from pentatron.pretrain.arguments import ArgumentError, parse_args, validate_args
 from pentatron.pretrain.training import configs
 
-BASE = [
-    "--train-iters",
-    "10",
-    "--num-layers",
-    "8",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "8",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "1",
-    "--max-position-embeddings",
-    "32",
-    "--lr",
-    "1e-3",
-]
+sys.path.insert(0, os.path.dirname(__file__))
+from test_arguments import BASE
 
 
 def _validated(extra, world):
