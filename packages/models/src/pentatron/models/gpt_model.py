@@ -24,7 +24,11 @@ final norm, in training with labels; it needs the embedding there, so with pp > 
 stage holds a copy of the embedding (word and learned position tables), tied to the first
 stage's as above, and a tied output layer reads that copy. `forward` then also takes the
 input ids and positions on the last stage, and `loss_mask`; each depth's (loss sum, token
-count) of the last forward is in `mtp_report`.
+count) of the last forward is in `mtp_report`. A custom layout may put MTP on a stage of
+its own before the loss's (`config.mtp_standalone`): that stage holds the final norm, the
+embedding copy (its rank must be in the embedding group) and the MTP layers, and returns
+`[(1 + D) s(/t), b, h]` (h_0 and each depth's output) in training; the loss's stage splits
+it and attaches the MTP losses, so its messages change length (variable_seq_lengths).
 """
 
 from __future__ import annotations
