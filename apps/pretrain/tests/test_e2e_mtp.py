@@ -7,10 +7,16 @@ norms (before clipping, every rank) of one process, fp32, rtol 1e-6 (the order o
   optimizer (the MTP layers and the embedding's copy on the last stage) and at tp2-ep2+SP;
 - the same under Megatron's custom pipeline layout 'Et||ttt|mmL' at pp2-dp2 (the MTP
   layers and the loss alone in the last stage, an empty stage before it);
+- Megatron's standalone MTP stage ('Et|t|t|t|||mm|L' at pp4: the MTP layers on rank 2's
+  second stage, the loss alone on rank 3's; untied embeddings) at tp2+SP with the
+  DeepSeek-like model, at cp2 with the dense one, and under FSDP2 at dp2. Pipeline rank 0
+  holds no expert and no router there: the expert grad norm and the aux-loss collection
+  must still take part in their collectives (they hung / failed before);
 - a dense GPT at cp2-tp2+SP (the rolls cross the cp chunks) and, with
   --calculate-per-token-loss, at pp2-dp2.
-Planted: MTP token counts not summed over cp fail the cp2 comparison. A checkpoint saved
-at tp2-pp2-dp2 resumes at dp4 with the reference's next losses. The memory calculator
+Planted: MTP token counts not summed over cp fail the cp2 comparison. Checkpoints saved at
+tp2-pp2-dp2 and at the standalone MTP layout resume at dp4 with the reference's next
+losses. The memory calculator
 sizes MTP (proven in test_memory_measure.py); a Llama-form export refuses it by name.
 """
 
@@ -42,6 +48,10 @@ DEEPSEEK = [*TINY_GPT, *MLA, *MOE, *MTP, *STEPS]
 DENSE = [*TINY_GPT, *MTP, *STEPS, "--transformer-impl", "local", "--global-batch-size", "8"]
 PER_TOKEN = [*DENSE, "--calculate-per-token-loss"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+STANDALONE = [
+    *("--pipeline-model-parallel-size", "4"),
+    *("--pipeline-model-parallel-layout", "Et|t|t|t|||mm|L"),
+]
 CASES = {  # name: (reference flags, layout flags, world)
     "deepseek-tp2-pp2-dp2-sp-distopt": (
         DEEPSEEK,
@@ -63,11 +73,19 @@ CASES = {  # name: (reference flags, layout flags, world)
     # copy, the loss alone on rank 3's; untied embeddings, SP at tp2
     "deepseek-untied-tp2-pp4-standalone-mtp": (
         [*DEEPSEEK, "--untie-embeddings-and-output-weights"],
-        [
-            *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-            *("--pipeline-model-parallel-size", "4"),
-            *("--pipeline-model-parallel-layout", "Et|t|t|t|||mm|L"),
-        ],
+        [*STANDALONE, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        8,
+    ),
+    # the same layout at cp2 (rank 0's empty second stage computes no cp positions) and
+    # under FSDP2 (an empty stage is a unit without parameters)
+    "dense-untied-cp2-pp4-standalone-mtp": (
+        [*DENSE, "--untie-embeddings-and-output-weights"],
+        [*STANDALONE, "--context-parallel-size", "2"],
+        8,
+    ),
+    "deepseek-untied-pp4-dp2-standalone-mtp-fsdp2": (
+        [*DEEPSEEK, "--untie-embeddings-and-output-weights"],
+        [*STANDALONE, "--use-torch-fsdp2"],
         8,
     ),
 }
@@ -77,6 +95,7 @@ REFERENCES = {
     "deepseek": DEEPSEEK,
     "deepseek-untied": [*DEEPSEEK, "--untie-embeddings-and-output-weights"],
     "dense": DENSE,
+    "dense-untied": [*DENSE, "--untie-embeddings-and-output-weights"],
     "per-token": PER_TOKEN,
 }
 

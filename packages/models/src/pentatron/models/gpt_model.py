@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pentatron.parallel_state import ProcessGrid, comm
+from pentatron.parallel_state import ProcessGrid, comm, current_device
 from pentatron.tp_layers import (
     ColumnParallelLinear,
     gather_from_tensor_model_parallel_region,
@@ -289,13 +289,14 @@ class GPTModel(torch.nn.Module):
         `position_ids` for learned positions); `loss_mask` `[b, s(/cp)]` (None: every
         token) weighs the MTP loss, whose grad joins the main loss's in backward.
         """
-        if self.parallel.cp_size > 1 and position_ids is None:
+        # a chunk without layers (a custom layout's empty or embedding-only stage) has no
+        # attention to rotate for, so no positions to compute
+        uses_rotary = len(self.decoder.layers) > 0 or self.mtp_process
+        needs_positions = self.pre_process or uses_rotary
+        if self.parallel.cp_size > 1 and position_ids is None and needs_positions:
             position_ids = self._cp_position_ids(input_ids)
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary = None
-        # a chunk without layers (a custom layout's empty or embedding-only stage) has no
-        # attention to rotate for, and maybe no parameter to take the device from
-        uses_rotary = len(self.decoder.layers) > 0 or self.mtp_process
         if self.position_embedding_type in ROTARY_EMBEDDINGS and uses_rotary:
             s = self._seq_len(input_ids, position_ids)
             rotary = self.rotary_pos_emb(position_ids, s, device=self._device())
@@ -395,7 +396,8 @@ class GPTModel(torch.nn.Module):
         return t.size(0) * (self.parallel.tp_size if self.config.sequence_parallel else 1)
 
     def _device(self) -> torch.device:
-        return next(self.parameters()).device
+        param = next(self.parameters(), None)  # (an empty chunk has none: the grid's device)
+        return param.device if param is not None else current_device()
 
 
 def build_model_chunks(

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from pentatron.parallel_state import comm
+from pentatron.parallel_state import comm, current_device
 
 try:  # public from torch 2.5
     from torch.distributed.tensor import DTensor
@@ -196,7 +196,8 @@ def apply_fsdp2(
     reduces them: an expert's grad gathers the tokens of every dp rank of its ep group, and
     the loss is a mean over dp.
     """
-    device = next(module.parameters()).device
+    first = next(module.parameters(), None)  # (a custom layout's empty stage has none)
+    device = first.device if first is not None else current_device()
     mesh = _as_mesh(dp, device.type)
     group = dp.get_group() if isinstance(dp, DeviceMesh) else dp
     if broadcast_params:
