@@ -268,3 +268,19 @@ def test_megatron_docs_layout_runs_with_a_standalone_mtp_stage():
     assert model.mtp_standalone
     assert [r for r in range(16) for c in (0, 1) if model.mtp_on(r, c, False)] == [14]
     assert model.final_norm_on(14, 1, False) and not model.final_norm_on(15, 1, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "overlap"),
+    [
+        (["--num-virtual-stages-per-pipeline-rank", "2"], True),  # Megatron's default
+        (["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"], False),
+        ([], False),  # 1F1B: only the interleaved schedule overlaps
+        (["--pipeline-schedule", "zb-h1"], False),
+    ],
+)
+def test_interleaved_p2p_overlaps_unless_told_not_to(extra, overlap):
+    """Megatron's --no-overlap-p2p-communication: overlap (single sends and receives) for
+    the interleaved schedule by default, else batched p2p (batch_p2p_comm = not overlap)."""
+    pcfg = configs.pipeline_config(_validated([*_pp(2), *extra], 2))
+    assert (pcfg.overlap_p2p_comm, pcfg.batch_p2p_comm) == (overlap, not overlap)

@@ -223,6 +223,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    # Megatron's default: interleaved schedules overlap their p2p with compute (single
+    # sends and receives, not batched); 1F1B and the zero-bubble schedules batch them
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false")
     g.add_argument(
         "--pipeline-model-parallel-layout",
         default=None,

@@ -241,7 +241,15 @@ def scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
 
 
 def pipeline_config(args: argparse.Namespace, **hooks) -> PipelineConfig:
+    # Megatron's rule: the interleaved schedule overlaps p2p unless told not to, and then
+    # posts single sends and receives (batch_p2p_comm = not overlap_p2p_comm)
+    interleaved = args.virtual_pipeline_model_parallel_size is not None and getattr(
+        args, "pipeline_schedule", None
+    ) in (None, "interleaved")
+    overlap = bool(getattr(args, "overlap_p2p_comm", True)) and interleaved
     return PipelineConfig(
+        overlap_p2p_comm=overlap,
+        batch_p2p_comm=not overlap,
         hidden_size=args.hidden_size,
         pipeline_dtype=params_dtype(args),
         sequence_parallel=args.sequence_parallel,
