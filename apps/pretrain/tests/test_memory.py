@@ -317,14 +317,6 @@ def test_headroom_is_device_gib_minus_total(gib, capsys):
             ],
             "--recompute-modules layernorm mlp: selective",
         ),
-        (  # Megatron's standalone MTP stage: sized where it is not, it would be wrong
-            [
-                *(*SMALL, "--num-layers", "4", "--mtp-num-layers", "1"),
-                *("--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "4"),
-                *("--pipeline-model-parallel-layout", "Et|t|ttm|L", "--world-size", "4"),
-            ],
-            "--pipeline-model-parallel-layout Et|t|ttm|L: a standalone MTP stage",
-        ),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, needle, capsys):

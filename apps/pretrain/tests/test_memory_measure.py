@@ -262,6 +262,23 @@ LAYOUTS = {
         ],
     },
     4: {
+        # Megatron's standalone MTP stage: the MTP layers, the final norm and an embedding
+        # copy on rank 2 (the last depth's output leaves in the message), the loss alone on
+        # rank 3 (the received h_0 and depth outputs, kept by the output layers)
+        "pp4-standalone-mtp": [
+            *MTP,
+            *("--pipeline-model-parallel-size", "4", "--global-batch-size", "8"),
+            *("--pipeline-model-parallel-layout", "Et|t|ttmm|L"),
+            "--untie-embeddings-and-output-weights",
+        ],
+        "pp4-vpp2-standalone-mtp-learned-full": [
+            *MTP,
+            *("--pipeline-model-parallel-size", "4", "--global-batch-size", "8"),
+            *("--pipeline-model-parallel-layout", "Et|t|t|t|||mm|L"),
+            *("--untie-embeddings-and-output-weights", "--position-embedding-type"),
+            *("learned_absolute", "--recompute-granularity", "full"),
+            *("--recompute-method", "uniform", "--recompute-num-layers", "1"),
+        ],
         "tp2-pp2-vpp2-sp": [
             *BF16,
             "--tensor-model-parallel-size",

@@ -281,7 +281,7 @@ def _up_proj_recomputed(c) -> bool:
     )
 
 
-def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> int:
+def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int, part: str = "all") -> int:
     """Saved bytes of the MTP depths (last chunk), per depth k:
     - the embedding of the rolled ids: the ids `8 bs` (tp > 1: with the foreign mask `bs`;
       learned positions: the rolled position ids `8 bs`), its output `e s'bh` (kept by
@@ -294,22 +294,32 @@ def _mtp_terms(plan: MemoryPlan, s: int, s_: int, b: int, e: int) -> int:
     - full recompute: a depth is one checkpoint, keeping its embedding output and its
       output `2 e s'bh` besides the ids and the output layer's terms.
     Once: the attached total `4` (with per-token loss also the unrolled token count `4`,
-    which every depth's term is multiplied by)."""
+    which every depth's term is multiplied by).
+    `part` splits them for a standalone MTP stage: "layers" (that stage: all but the output
+    layers, less the last depth's output, which leaves in the message and nothing there
+    keeps), "loss" (the loss's stage: the output layers and totals, and the received h_0
+    and depth outputs `(1 + D) e s'bh`, one copy the output layers keep)."""
     c, t, h = plan.config, plan.tp, plan.config.hidden_size
+    depths = c.mtp_num_layers or 0
     sb, sb_ = s * b, s_ * b
     ids = 8 * sb + (sb if t > 1 else 0)
     if c.position_embedding_type == "learned_absolute":
         ids += 8 * sb
     output = 4 * sb * plan.padded_vocab_size // t + (8 + 1 + 4) * sb + 4
     if c.recompute_granularity == "full":
-        per_depth = ids + 2 * e * sb_ * h + output
+        per_depth = ids + 2 * e * sb_ * h
     else:
         rstd = 4 if c.normalization == "RMSNorm" else 8
         per_depth = ids + e * sb_ * h + 2 * rstd * sb_ + 2 * e * sb_ * h
         layer = _layer_terms(plan, c.num_layers + 1, True)
         per_depth += layer.total + (e * (sb - sb_) * h if c.sequence_parallel else 0)
-        per_depth += _norm_bytes(plan, s_, b, e) + output
-    return (c.mtp_num_layers or 0) * per_depth + 4 + (4 if c.calculate_per_token_loss else 0)
+        per_depth += _norm_bytes(plan, s_, b, e)
+    totals = 4 + (4 if c.calculate_per_token_loss else 0)
+    if part == "layers":
+        return depths * per_depth - e * sb_ * h
+    if part == "loss":
+        return depths * output + totals + (1 + depths) * e * sb_ * h
+    return depths * (per_depth + output) + totals
 
 
 def _cp_attention_terms(plan, sb, b, e, nq, ng, d) -> tuple[int, int]:
@@ -413,7 +423,7 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
     first, last = is_first_chunk(plan, pp_rank, vp), is_last_chunk(plan, pp_rank, vp)
     layers = list(chunk_layers(plan, pp_rank, vp))
     out = ActivationTerms()
-    mtp = bool(c.mtp_num_layers) and last  # the MTP stage gets the position ids too
+    mtp = c.mtp_on(pp_rank, vp, last)  # the MTP stage gets the position ids too
     if (
         c.position_embedding_type in ("rope", "yarn")
         and (layers or mtp)  # (a chunk without layers computes no tables)
@@ -434,13 +444,17 @@ def chunk_activations(plan: MemoryPlan, pp_rank: int, vp: int) -> ActivationTerm
         if i in stored:
             out.add(_layer_terms(plan, layer + 1, first or mtp))
     out.recompute_inputs = _num_checkpoints(plan, len(layers)) * e * s_ * b * c.hidden_size
-    if last:
+    if c.final_norm_on(pp_rank, vp, last):
         out.final_norm = _norm_bytes(plan, s_, b, e)
+    if last:
         # the token count the loss is divided by (not with per-token loss: the step divides)
         count = 0 if c.calculate_per_token_loss else 4
         out.output_layer = 4 * s * b * plan.padded_vocab_size // t + (8 + 1 + 4) * s * b + count
+    standalone = c.mtp_standalone
     if mtp:
-        out.mtp = _mtp_terms(plan, s, s_, b, e)
+        out.mtp = _mtp_terms(plan, s, s_, b, e, "layers" if standalone else "all")
+    elif last and standalone:
+        out.mtp = _mtp_terms(plan, s, s_, b, e, "loss")
     return out
 
 

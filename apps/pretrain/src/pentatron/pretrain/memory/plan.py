@@ -60,14 +60,6 @@ class MemoryPlan:
                 "size it without selective recompute (an upper bound), or measure it with "
                 "torchrun -m pentatron.pretrain.memory.measure"
             )
-        if c.mtp_standalone:
-            raise MemoryPlanError(
-                f"--pipeline-model-parallel-layout {c.pipeline_model_parallel_layout}: a "
-                "standalone MTP stage (its m's before L's stage) is not sized: its embedding "
-                "copy, MTP layers and (1 + D)-fold message sit on another rank than the "
-                "calculator places them; fix: size the layout with the m's in the last stage "
-                "(the same total), or measure it with torchrun -m pentatron.pretrain.memory.measure"
-            )
 
     @property
     def tp(self) -> int:

@@ -156,8 +156,9 @@ def chunk_parameters(plan: MemoryPlan, pp_rank: int, vp: int) -> list[ParamSpec]
     first, last = is_first_chunk(plan, pp_rank, vp), is_last_chunk(plan, pp_rank, vp)
     tied = c.share_embeddings_and_output_weights
     vocab = plan.padded_vocab_size // plan.tp
-    # MTP on the last stage: it holds a copy of the embedding, tied over the pipeline
-    mtp = bool(c.mtp_num_layers) and last
+    # MTP on the last stage (or a custom layout's standalone MTP stage): it holds a copy of
+    # the embedding, tied over the pipeline
+    mtp = c.mtp_on(pp_rank, vp, last)
     split_mtp = bool(c.mtp_num_layers) and plan.pp > 1
     out: list[ParamSpec] = []
     if first or mtp:
@@ -179,7 +180,7 @@ def chunk_parameters(plan: MemoryPlan, pp_rank: int, vp: int) -> list[ParamSpec]
             )
     for i, layer in enumerate(chunk_layers(plan, pp_rank, vp)):
         out += _layer(plan, f"decoder.layers.{i}", layer + 1)
-    if last:
+    if c.final_norm_on(pp_rank, vp, last):
         out += _norm(plan, "decoder.final_layernorm", h)
     for k in range(c.mtp_num_layers or 0) if mtp else ():
         p = f"mtp.layers.{k}"
