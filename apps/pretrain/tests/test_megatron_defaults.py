@@ -111,3 +111,46 @@ def test_swiglu_ffn_default_is_megatrons_rounding(hidden, ffn):
     # Megatron: int((4 * h * 2 / 3) / 64) * 64, i.e. rounded down (4096 -> 10880, not 10944)
     argv = [*_argv(), "--swiglu", "--hidden-size", str(hidden), "--num-attention-heads", "32"]
     assert validate_args(parse_args(argv), 1).ffn_hidden_size == ffn
+
+
+def test_the_shipped_flag_names_are_megatrons():
+    """The parser's list of Megatron-LM's flags (for its messages) is this table's."""
+    from pentatron.pretrain.megatron_flags import MEGATRON_FLAGS
+
+    assert set(MEGATRON_FLAGS) == set(MEGATRON_DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--tp-comm-overlap"], "--tp-comm-overlap: a Megatron-LM flag this release does not"),
+        (["--tp-comm-overlap-cfg", "x.yaml"], "--tp-comm-overlap-cfg: a Megatron-LM flag"),
+        (["--deterministic-mode"], "--deterministic-mode: a Megatron-LM flag"),
+        (
+            ["--pipeline-model-paralel-size", "2"],
+            "not a flag of pentatron-pretrain or Megatron-LM; fix: did you mean "
+            "--pipeline-model-parallel-size",
+        ),
+        (["--num-layers", "2", "3"], "unexpected argument '3': pentatron-pretrain takes flags"),
+    ],
+)
+def test_a_flag_we_do_not_take_is_refused_in_one_line(argv, needle):
+    with pytest.raises(ArgumentError) as e:
+        parse_args(argv)
+    assert needle in str(e.value) and "fix:" in str(e.value)
+
+
+def test_every_megatron_flag_is_taken_or_refused_as_megatrons():
+    """A Megatron-LM launch script's flag is either read (it parses) or refused naming it
+    as Megatron's: never argparse's bare "unrecognized arguments"."""
+    ours = {o for a in build_parser()._actions for o in a.option_strings}
+    for flag in sorted(set(MEGATRON_DEFAULTS) - ours):
+        with pytest.raises(ArgumentError, match=f"^{re.escape(flag)}: a Megatron-LM flag"):
+            parse_args([flag])
+
+
+def test_a_config_key_megatron_has_and_we_lack_is_named(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num-layers: 2\ntp-comm-overlap: true\n")
+    with pytest.raises(ArgumentError, match="unknown key 'tp-comm-overlap'; a Megatron-LM flag"):
+        parse_args(["--config", str(config)])

@@ -530,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pentatron-pretrain",
         description="Megatron-style GPT pretraining (launch with torchrun).",
+        # as Megatron-LM's parser: no prefix matching, so a Megatron flag that starts like
+        # one of ours (--exit-signal, --exit-signal-handler) is never taken for it
+        allow_abbrev=False,
     )
     p.add_argument("--config", default=None, help="YAML file; keys are these flags' names")
     for add in (
@@ -560,10 +563,14 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         name = str(key).lstrip("-").replace("-", "_")
         action = by_flag.get(name)
         if action is None or action.dest in ("config", "help"):
-            raise ArgumentError(
-                f"--config {path}: unknown key {key!r}; the rule: keys are the flag names "
-                "(see pentatron-pretrain --help)"
+            from .megatron_flags import MEGATRON_FLAGS
+
+            why = (
+                "a Megatron-LM flag this release does not implement; fix: drop it"
+                if "--" + name.replace("_", "-") in MEGATRON_FLAGS
+                else "the rule: keys are the flag names (see pentatron-pretrain --help)"
             )
+            raise ArgumentError(f"--config {path}: unknown key {key!r}; {why}")
         dest = action.dest
         if action.nargs == 0:  # a switch: `true` gives the flag, `false` leaves the default
             if not isinstance(value, bool):
@@ -607,9 +614,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if first.config:
         from_yaml = yaml_defaults(parser, first.config)
         parser.set_defaults(**from_yaml)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ArgumentError(_unknown_argument(parser, unknown))
     args.explicit_flags = sorted(set(from_yaml) | _given_on_command_line(argv))
     return args
+
+
+def _unknown_argument(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """One line for what argparse left over: a Megatron-LM flag we lack, a typo, or a
+    stray value."""
+    from .megatron_flags import unknown_flag_message
+
+    flags = [token.split("=", 1)[0] for token in unknown if token.startswith("--")]
+    if flags:
+        ours = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        return unknown_flag_message(flags[0], ours)
+    return (
+        f"unexpected argument {unknown[0]!r}: pentatron-pretrain takes flags only; fix: drop "
+        "it, or give it to the flag it belongs to"
+    )
 
 
 def _given_on_command_line(argv: list[str] | None) -> set[str]:
