@@ -379,7 +379,6 @@ TP8 = ["--tensor-model-parallel-size", "8", "--world-size", "8"]
         (["--position-embedding-type", "rope"], "position_embedding_type", "rope"),
         (["--seq-length", "128"], "seq_length", 128),
         (["--seq-length=128"], "seq_length", 128),
-        (["--seq-len", "128"], "seq_length", 128),  # argparse's prefix matching
     ],
 )
 def test_command_line_beats_the_preset_even_at_the_parser_default(flags, field, want):
@@ -392,6 +391,13 @@ def test_command_line_beats_the_preset_even_at_the_parser_default(flags, field, 
     # the preset's other values stay: 96 layers of h 12288, LayerNorm
     assert (plan.config.num_layers, plan.config.hidden_size) == (96, 12288)
     assert plan.config.normalization == "LayerNorm"
+
+
+def test_a_flag_prefix_is_not_taken_for_the_flag(capsys):
+    """No prefix matching, as Megatron-LM's parser: `--seq-len` is not `--seq-length`."""
+    with pytest.raises(SystemExit):
+        build_plan(["--preset", "gpt3-175b", *TP8, "--seq-len", "128"])
+    assert "--seq-len" in capsys.readouterr().err
 
 
 def test_config_yaml_beats_the_preset_and_the_command_line_beats_yaml(tmp_path):

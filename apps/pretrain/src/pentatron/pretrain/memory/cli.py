@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 def _given(parser: argparse.ArgumentParser, argv: list[str], yaml_keys: set[str]) -> set[str]:
     """Dests the user gave: on the command line or as `--config` keys. They win over the
     preset / HF config even when the value equals the parser default, so "given" is read
-    from the argv tokens (argparse's own matching, so `--flag=v` and abbreviations count)
+    from the argv tokens (argparse's own matching, so `--flag=v` counts)
     into a namespace pre-filled with a marker, never by comparing values with defaults."""
     unset = object()
     marked = argparse.Namespace(**{a.dest: unset for a in parser._actions})
