@@ -204,15 +204,12 @@ def _layout_config(base, layout):
 
 def _parallel_config(config) -> ParallelConfig:
     """The grid of `config`; a standalone MTP stage's rank joins the embedding group."""
-    embedding = None
-    if config.mtp_standalone:
-        stage = config.custom_layout().mtp_stage()
-        embedding = (0, config.stage_layout().position(stage)[0])
+    rank = config.custom_layout().mtp_standalone_rank if config.mtp_standalone else None
     return ParallelConfig(
         tp=config.tensor_model_parallel_size,
         pp=config.pipeline_model_parallel_size,
         vpp=config.virtual_pipeline_model_parallel_size,
-        embedding_pp_ranks=embedding,
+        embedding_pp_ranks=None if rank is None else (0, rank),
     )
 
 

@@ -96,6 +96,7 @@ class GPTModel(torch.nn.Module):
         # MTP sits on the last stage, or on a custom layout's standalone MTP stage
         self.mtp_process = config.mtp_on(par.pp_rank, vp_stage, self.post_process)
         self.final_norm_here = config.final_norm_on(par.pp_rank, vp_stage, self.post_process)
+        self.mtp_standalone = config.mtp_standalone  # read once: forward branches on it
         self.mtp_report: list[torch.Tensor] = []
         self.vp_stage = vp_stage
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
@@ -301,7 +302,6 @@ class GPTModel(torch.nn.Module):
             s = self._seq_len(input_ids, position_ids)
             rotary = self.rotary_pos_emb(position_ids, s, device=self._device())
         hidden = self.decoder(hidden, attention_mask, rotary)
-        standalone = self.config.mtp_standalone
         if not self.post_process:
             if self.mtp_process and self.training:  # a standalone MTP stage
                 outputs = self._mtp_outputs(hidden, input_ids, position_ids, attention_mask, rotary)
@@ -312,7 +312,7 @@ class GPTModel(torch.nn.Module):
         if self.share_embeddings_and_output_weights and self.has_embedding:
             weight = self.embedding.word_embeddings.weight
         self.mtp_report = []
-        if standalone and self.training:
+        if self.mtp_standalone and self.training:
             hidden, *outputs = self._split_standalone(hidden)
             if labels is not None:
                 hidden = self._attach_mtp_loss(hidden, outputs, labels, loss_mask, weight)

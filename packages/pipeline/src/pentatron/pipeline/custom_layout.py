@@ -154,7 +154,7 @@ class PipelineLayout:
                 "the MTP stage is the last virtual stage of its pipeline rank (Megatron-LM)",
                 "move the m's to a stage of the last round of '|'-separated stages",
             )
-        if where and where[0] != len(self.stages) - 1 and where[0] % self.pp == 0:
+        if self.mtp_standalone_rank == 0:
             _fail(
                 text,
                 "an MTP stage of its own (standalone, before the loss's) on pipeline rank 0 "
@@ -172,6 +172,13 @@ class PipelineLayout:
         """The MTP layers sit in a stage before the loss's (Megatron's standalone MTP)."""
         stage = self.mtp_stage()
         return stage is not None and stage != len(self.stages) - 1
+
+    @property
+    def mtp_standalone_rank(self) -> int | None:
+        """The pipeline rank of a standalone MTP stage (None without one): it holds an
+        embedding copy, so the embedding group joins it to the first stage's rank."""
+        stage = self.mtp_stage()
+        return stage % self.pp if stage is not None and self.mtp_standalone else None
 
     def table(self) -> str:
         """Which layers each (pp rank, vpp rank) holds, equal ranks merged:

@@ -37,9 +37,7 @@ def standalone_mtp_rank(args: argparse.Namespace) -> int | None:
     text = getattr(args, "pipeline_model_parallel_layout", None)
     if text is None or not args.mtp_num_layers:
         return None
-    layout = PipelineLayout.parse(text, args.pipeline_model_parallel_size)
-    stage = layout.mtp_stage()
-    return stage % layout.pp if layout.mtp_standalone and stage is not None else None
+    return PipelineLayout.parse(text, args.pipeline_model_parallel_size).mtp_standalone_rank
 
 
 def _hierarchical_cp(args: argparse.Namespace) -> tuple[int, ...] | None:
